@@ -1,0 +1,160 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from kvpush.rendezvous.v1 import transfer_pb2 as _transfer_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterDestinationRequest(_message.Message):
+    __slots__ = ("key", "client_request_id", "prefill_engine_id", "destination", "timeout")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    client_request_id: str
+    prefill_engine_id: str
+    destination: _transfer_pb2.Destination
+    timeout: _duration_pb2.Duration
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., destination: _Optional[_Union[_transfer_pb2.Destination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class RegisterDestinationResponse(_message.Message):
+    __slots__ = ("state", "first_arrival", "deadline", "expected_notifications")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    state: _transfer_pb2.TransferState
+    first_arrival: _transfer_pb2.TransferSide
+    deadline: _timestamp_pb2.Timestamp
+    expected_notifications: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., first_arrival: _Optional[_Union[_transfer_pb2.TransferSide, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expected_notifications: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReportPrefillDoneRequest(_message.Message):
+    __slots__ = ("key", "client_request_id", "decode_engine_id", "source", "timeout")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    client_request_id: str
+    decode_engine_id: str
+    source: _transfer_pb2.Source
+    timeout: _duration_pb2.Duration
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., source: _Optional[_Union[_transfer_pb2.Source, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class ReportPrefillDoneResponse(_message.Message):
+    __slots__ = ("state", "first_arrival", "deadline")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    state: _transfer_pb2.TransferState
+    first_arrival: _transfer_pb2.TransferSide
+    deadline: _timestamp_pb2.Timestamp
+    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., first_arrival: _Optional[_Union[_transfer_pb2.TransferSide, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class ReportWriteResultRequest(_message.Message):
+    __slots__ = ("key", "engine_id", "tp_rank", "pp_rank", "outcome", "bytes_written", "descriptor_count", "post_time", "transfer_duration", "error_message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    POST_TIME_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_DURATION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    engine_id: str
+    tp_rank: int
+    pp_rank: int
+    outcome: _transfer_pb2.WriteOutcome
+    bytes_written: int
+    descriptor_count: int
+    post_time: _timestamp_pb2.Timestamp
+    transfer_duration: _duration_pb2.Duration
+    error_message: str
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., outcome: _Optional[_Union[_transfer_pb2.WriteOutcome, str]] = ..., bytes_written: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., post_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class ReportWriteResultResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _transfer_pb2.TransferState
+    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ...) -> None: ...
+
+class CancelTransferRequest(_message.Message):
+    __slots__ = ("key", "detail")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    detail: str
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class CancelTransferResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _transfer_pb2.TransferState
+    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ...) -> None: ...
+
+class GetTransferRequest(_message.Message):
+    __slots__ = ("transfer_id", "attempt")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    attempt: int
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class GetTransferResponse(_message.Message):
+    __slots__ = ("transfer",)
+    TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    transfer: _transfer_pb2.Transfer
+    def __init__(self, transfer: _Optional[_Union[_transfer_pb2.Transfer, _Mapping]] = ...) -> None: ...
+
+class StreamWriteOrdersRequest(_message.Message):
+    __slots__ = ("engine_id", "incarnation", "tp_rank", "pp_rank", "early_orders")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    EARLY_ORDERS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    incarnation: str
+    tp_rank: int
+    pp_rank: int
+    early_orders: bool
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., early_orders: _Optional[bool] = ...) -> None: ...
+
+class StreamWriteOrdersResponse(_message.Message):
+    __slots__ = ("order", "revocation", "closed", "send_time")
+    ORDER_FIELD_NUMBER: _ClassVar[int]
+    REVOCATION_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    SEND_TIME_FIELD_NUMBER: _ClassVar[int]
+    order: _transfer_pb2.WriteOrder
+    revocation: _transfer_pb2.Revocation
+    closed: _transfer_pb2.TransferClosed
+    send_time: _timestamp_pb2.Timestamp
+    def __init__(self, order: _Optional[_Union[_transfer_pb2.WriteOrder, _Mapping]] = ..., revocation: _Optional[_Union[_transfer_pb2.Revocation, _Mapping]] = ..., closed: _Optional[_Union[_transfer_pb2.TransferClosed, _Mapping]] = ..., send_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+
+class StreamTransferEventsRequest(_message.Message):
+    __slots__ = ("engine_id", "incarnation")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    incarnation: str
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class StreamTransferEventsResponse(_message.Message):
+    __slots__ = ("event",)
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    event: _transfer_pb2.TransferEvent
+    def __init__(self, event: _Optional[_Union[_transfer_pb2.TransferEvent, _Mapping]] = ...) -> None: ...
