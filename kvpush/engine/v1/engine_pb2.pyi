@@ -85,7 +85,7 @@ class NixlAgent(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvRegion(_message.Message):
-    __slots__ = ("layer_name", "layer_index", "group_index", "plane", "base_address", "block_stride_bytes", "head_stride_bytes", "token_stride_bytes", "device_id")
+    __slots__ = ("layer_name", "layer_index", "group_index", "plane", "base_address", "block_stride_bytes", "head_stride_bytes", "token_stride_bytes", "device_id", "channel_stride_bytes")
     LAYER_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class KvRegion(_message.Message):
     HEAD_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     layer_name: str
     layer_index: int
     group_index: int
@@ -104,7 +105,8 @@ class KvRegion(_message.Message):
     head_stride_bytes: int
     token_stride_bytes: int
     device_id: int
-    def __init__(self, layer_name: _Optional[str] = ..., layer_index: _Optional[int] = ..., group_index: _Optional[int] = ..., plane: _Optional[_Union[KvPlane, str]] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ...) -> None: ...
+    channel_stride_bytes: int
+    def __init__(self, layer_name: _Optional[str] = ..., layer_index: _Optional[int] = ..., group_index: _Optional[int] = ..., plane: _Optional[_Union[KvPlane, str]] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., channel_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
     __slots__ = ("group_index", "kind", "block_size", "num_blocks")

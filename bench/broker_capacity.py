@@ -1,0 +1,323 @@
+# SPDX-License-Identifier: Apache-2.0
+"""How many rendezvous per second one `kvpush control-plane` process sustains, and how fast orders arrive.
+
+Starts the control plane as a subprocess on 127.0.0.1:0, registers a fake
+prefill engine (one rank, no early orders, so the broker does the match)
+and a fake decode engine over real RPCs, then drives RegisterDestination +
+ReportPrefillDone pairs from this process (alternating which side arrives
+second) while a StreamWriteOrders consumer for the prefill rank measures
+the latency from sending the second call to receiving the order. Phases:
+an offered open-loop rate (default 2,000/s) and a closed loop at maximum
+throughput. Prints a table beside the targets and one JSON line.
+
+    python bench/broker_capacity.py [--rate 2000] [--duration 10] [--concurrency 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.common import sample_engines as sample
+
+TARGET_RATE = 2_000
+TARGET_P99_MS = 5.0
+ASPIRATION_RATE = 10_000
+CALL_TIMEOUT_S = 5.0
+START_TIMEOUT_S = 20.0
+TRANSFER_TIMEOUT_S = 300.0  # no attempt may expire while the benchmark runs
+TOKENS = 256
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (Linux /proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class ControlPlaneProcess:
+    """`kvpush control-plane` on 127.0.0.1 port 0, stopped by PID."""
+
+    def __init__(self, workdir: pathlib.Path, keep_otel_env: bool):
+        self.port_file = workdir / "port"
+        self.token_file = workdir / "token"
+        env = dict(os.environ) if keep_otel_env else {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvpush.cli",
+                "--log-level",
+                "WARNING",
+                "control-plane",
+                "--listen",
+                "127.0.0.1:0",
+                "--port-file",
+                str(self.port_file),
+                "--token-file",
+                str(self.token_file),
+                "--lease-ttl",
+                "30",
+                "--max-lease-ttl",
+                "60",
+            ],
+            env=env,
+        )
+
+    def wait_port(self) -> int:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.port_file.exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the control plane did not start")
+            time.sleep(0.05)
+        return int(self.port_file.read_text())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+class Bench:
+    def __init__(self, channel: grpc.aio.Channel, token: str, server_pid: int):
+        self.server_pid = server_pid
+        self._cpu_at_start = (0.0, 0.0)
+        self.registrar = reg_grpc.RegistrarServiceStub(channel)
+        self.broker = rv_grpc.RendezvousServiceStub(channel)
+        self.bearer = (("authorization", f"Bearer {token}"),)
+        self.prefill_md: tuple = ()
+        self.decode_md: tuple = ()
+        self.leases: list[str] = []
+        self.sent_second: dict[str, float] = {}  # transfer id -> perf_counter at the second call's send
+        self.latencies: list[float] = []
+        self.delivered = 0
+        self.errors = 0
+        self.sequence = 0
+
+    async def register_engines(self) -> None:
+        for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
+            request = sample.rank_request(engine_id, role, num_blocks=100_000, lease_ttl_s=30)
+            response = await self.registrar.RegisterEngineRank(request, metadata=self.bearer, timeout=CALL_TIMEOUT_S)
+            self.leases.append(response.lease_id)
+            metadata = (*self.bearer, ("kvpush-engine-token", response.engine_token))
+            if role == sample.PREFILL:
+                self.prefill_md = metadata
+            else:
+                self.decode_md = metadata
+
+    async def keep_alive(self) -> None:
+        call = self.registrar.KeepAlive(metadata=self.prefill_md, timeout=3600)
+        while True:
+            await call.write(reg_pb.KeepAliveRequest(lease_ids=self.leases))
+            await call.read()
+            await asyncio.sleep(3.0)
+
+    async def consume_orders(self, ready: asyncio.Event) -> None:
+        request = rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1", early_orders=False)
+        call = self.broker.StreamWriteOrders(request, metadata=self.prefill_md, timeout=3600)
+        await call.initial_metadata()
+        ready.set()
+        sent = self.sent_second
+        async for message in call:
+            if message.WhichOneof("message") != "order":
+                continue
+            arrived = time.perf_counter()
+            started = sent.pop(message.order.key.transfer_id, None)
+            if started is not None:
+                self.latencies.append(arrived - started)
+                self.delivered += 1
+
+    def requests(self) -> tuple[str, rv_pb.RegisterDestinationRequest, rv_pb.ReportPrefillDoneRequest]:
+        self.sequence += 1
+        transfer_id = f"b{self.sequence}"
+        first_block = (self.sequence * 16) % 99_000
+        destination = sample.destination_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S)
+        prefill_done = sample.prefill_done_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S)
+        return transfer_id, destination, prefill_done
+
+    async def rendezvous(self) -> None:
+        transfer_id, destination, prefill_done = self.requests()
+        decode_second = self.sequence % 2 == 0
+        try:
+            if decode_second:
+                await self.broker.ReportPrefillDone(prefill_done, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+                self.sent_second[transfer_id] = time.perf_counter()
+                await self.broker.RegisterDestination(destination, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
+            else:
+                await self.broker.RegisterDestination(destination, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
+                self.sent_second[transfer_id] = time.perf_counter()
+                await self.broker.ReportPrefillDone(prefill_done, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            self.errors += 1
+            self.sent_second.pop(transfer_id, None)
+
+    def reset(self) -> None:
+        self._cpu_at_start = (cpu_seconds(self.server_pid), cpu_seconds(os.getpid()))
+        self.latencies = []
+        self.delivered = 0
+        self.errors = 0
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Waits until every sent rendezvous had its order delivered (bounded)."""
+        deadline = time.perf_counter() + timeout
+        while self.sent_second and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def open_loop(self, rate: float, duration: float) -> dict:
+        """Starts `rate` rendezvous per second on schedule, whatever the latency (an offered load)."""
+        self.reset()
+        tasks: set[asyncio.Task] = set()
+        started = time.perf_counter()
+        launched = 0
+        while (now := time.perf_counter()) - started < duration:
+            due = int((now - started) * rate)
+            while launched < due:
+                task = asyncio.create_task(self.rendezvous())
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                launched += 1
+            await asyncio.sleep(0.0005)
+        if tasks:
+            await asyncio.wait(tasks, timeout=10)
+        await self.drain()
+        elapsed = time.perf_counter() - started
+        return self.summary(f"offered {rate:,.0f}/s", elapsed, launched)
+
+    async def closed_loop(self, concurrency: int, duration: float) -> dict:
+        """`concurrency` callers each run rendezvous back to back: the maximum throughput."""
+        self.reset()
+        started = time.perf_counter()
+        stop_at = started + duration
+        launched = 0
+
+        async def caller() -> None:
+            nonlocal launched
+            while time.perf_counter() < stop_at:
+                launched += 1
+                await self.rendezvous()
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        await self.drain()
+        elapsed = time.perf_counter() - started
+        return self.summary(f"max ({concurrency} callers)", elapsed, launched)
+
+    def summary(self, name: str, elapsed: float, launched: int) -> dict:
+        latencies = sorted(self.latencies)
+        server_cpu = cpu_seconds(self.server_pid) - self._cpu_at_start[0]
+        client_cpu = cpu_seconds(os.getpid()) - self._cpu_at_start[1]
+        per = 1e6 / max(1, self.delivered)
+
+        def percentile(p: float) -> float:
+            return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e3 if latencies else float("nan")
+
+        return {
+            "phase": name,
+            "launched": launched,
+            "delivered": self.delivered,
+            "errors": self.errors,
+            "rendezvous_per_s": self.delivered / elapsed,
+            "p50_ms": percentile(0.50),
+            "p99_ms": percentile(0.99),
+            "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
+            # CPU per rendezvous bounds capacity on an idle core whatever else the machine runs.
+            "server_cpu_us_per_rendezvous": server_cpu * per,
+            "client_cpu_us_per_rendezvous": client_cpu * per,
+        }
+
+
+async def run(args: argparse.Namespace, port: int, token: str, server_pid: int) -> list[dict]:
+    options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        bench = Bench(channel, token, server_pid)
+        await bench.register_engines()
+        ready = asyncio.Event()
+        background = [asyncio.create_task(bench.keep_alive()), asyncio.create_task(bench.consume_orders(ready))]
+        try:
+            await asyncio.wait_for(ready.wait(), START_TIMEOUT_S)
+            await bench.open_loop(args.rate / 2, min(2.0, args.duration))  # warm-up, not reported
+            results = [await bench.open_loop(args.rate, args.duration), await bench.closed_loop(args.concurrency, args.duration)]
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+    return results
+
+
+def report(results: list[dict], args: argparse.Namespace) -> None:
+    print(f"{'phase':<22}{'rendezvous/s':>14}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'server CPU us/rdv':>19}{'client CPU us/rdv':>19}")
+    for r in results:
+        print(
+            f"{r['phase']:<22}{r['rendezvous_per_s']:>14,.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['errors']:>8}"
+            f"{r['server_cpu_us_per_rendezvous']:>19,.0f}{r['client_cpu_us_per_rendezvous']:>19,.0f}"
+        )
+    offered, maximum = results
+    meets = offered["rendezvous_per_s"] >= 0.98 * TARGET_RATE and offered["p99_ms"] <= TARGET_P99_MS and args.rate >= TARGET_RATE
+    print(
+        f"target: >= {TARGET_RATE:,}/s with p99 <= {TARGET_P99_MS:g} ms at that rate -> {'met' if meets else 'NOT met'}; "
+        f"aim {ASPIRATION_RATE:,}/s -> max {maximum['rendezvous_per_s']:,.0f}/s"
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "broker_capacity",
+                "cpus": os.cpu_count(),
+                "offered_rate": args.rate,
+                "offered": offered,
+                "max": maximum,
+                "target_rate": TARGET_RATE,
+                "target_p99_ms": TARGET_P99_MS,
+                "target_met": meets,
+            }
+        )
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=TARGET_RATE, help="offered rendezvous per second in the open-loop phase")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
+    parser.add_argument("--concurrency", type=int, default=64, help="callers in the maximum-throughput phase")
+    parser.add_argument("--keep-otel-env", action="store_true", help="pass OTEL_* variables on to the control plane")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvpush-bench-") as workdir:
+        plane = ControlPlaneProcess(pathlib.Path(workdir), args.keep_otel_env)
+        try:
+            port = plane.wait_port()
+            token = plane.token_file.read_text().strip()
+            try:
+                import uvloop
+            except ImportError:
+                results = asyncio.run(run(args, port, token, plane.process.pid))
+            else:
+                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                    results = runner.run(run(args, port, token, plane.process.pid))
+        finally:
+            with contextlib.suppress(Exception):
+                plane.stop()
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KvpushConnector: the vLLM KV connector facade.
+
+vLLM builds one instance per role: SCHEDULER in EngineCore, WORKER in every
+worker process. This class only routes vLLM's calls to the scheduler-side or
+worker-side logic; neither does blocking network work on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+
+def _setup_tracing(config: ConnectorConfig) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from kvpush.telemetry import setup_tracing
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        setup_tracing(f"kvpush-{config.role}")
+
+
+class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
+    """Push-mode KV transfer over NIXL WRITE with a gRPC control plane."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        _setup_tracing(self.config)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from kvpush.connector.scheduler import KvpushScheduler
+
+            self._scheduler = KvpushScheduler(self.config, vllm_config, kv_cache_config)
+        else:
+            from kvpush.connector.worker import KvpushWorker
+
+            self._worker = KvpushWorker(self.config, vllm_config, kv_cache_config)
+
+    # ---- scheduler side -------------------------------------------------------------
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        return
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Any) -> None:
+        self._scheduler.on_new_request(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_push_work()
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], KvpushHandshake]) -> None:
+        self._scheduler.on_handshake(metadata)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KvpushHandshake]) -> None:
+        self._scheduler.on_handshake({(0, rank): m for rank, m in metadata.items()})
+
+    # ---- worker side -----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KvpushHandshake | None:
+        return self._worker.handshake()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # KV arrives whole, before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # KV leaves whole, after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        meta = self._connector_metadata if isinstance(self._connector_metadata, KvpushMetadata) else None
+        sending, recving, failed = self._worker.get_transfer_results(meta)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A NIXL agent that never spins.
+
+NIXL 1.5.1's default UCX progress thread busy-polls a whole core. kvpush
+creates its agents without it; progress is made by the calls the owning
+thread makes (posting, checking transfers, fetching notifications), and the
+owner sleeps when it has nothing in flight. NIXL agents are not thread-safe
+in this mode: exactly one thread (the worker's transfer thread) may call an
+agent after its memory is registered.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+HELLO = b"kvpush1|hello"
+
+
+@dataclass(frozen=True)
+class MemoryRange:
+    """A registered range: start address, size in bytes, device index."""
+
+    address: int
+    size: int
+    device: int
+
+
+@dataclass
+class PostedWrite:
+    """A WRITE in flight."""
+
+    handle: object
+    peer: str
+    bytes: int
+    descriptors: int
+
+
+def merge_ranges(ranges: list[MemoryRange]) -> list[MemoryRange]:
+    """Coalesces overlapping or touching ranges of the same device."""
+    out: list[MemoryRange] = []
+    for r in sorted(ranges, key=lambda r: (r.device, r.address)):
+        if out and out[-1].device == r.device and r.address <= out[-1].address + out[-1].size:
+            last = out[-1]
+            end = max(last.address + last.size, r.address + r.size)
+            out[-1] = MemoryRange(last.address, end - last.address, last.device)
+        else:
+            out.append(r)
+    return out
+
+
+class KvAgent:
+    """One worker's NIXL agent over its KV cache memory."""
+
+    def __init__(self, name: str, backends: list[str], memory_kind: str):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        if memory_kind not in ("DRAM", "VRAM"):
+            raise ValueError(f"memory_kind must be DRAM or VRAM, not {memory_kind!r}")
+        self.name = name
+        self.memory_kind = memory_kind
+        self.backends = list(backends)
+        config = nixl_agent_config(enable_prog_thread=False, backends=self.backends)
+        self._agent = nixl_agent(name, config)
+        missing = [b for b in self.backends if b not in self._agent.backends]
+        if missing:
+            raise RuntimeError(f"NIXL backends {missing} are not available (have {sorted(self._agent.backends)})")
+        self._registered = None
+
+    def register(self, ranges: list[MemoryRange]) -> None:
+        """Registers the KV cache memory; call once, before metadata()."""
+        rows = [(r.address, r.size, r.device, "") for r in merge_ranges(ranges)]
+        descs = self._agent.get_reg_descs(rows, self.memory_kind)
+        self._registered = self._agent.register_memory(descs, backends=self.backends)
+
+    def metadata(self) -> bytes:
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Loads a peer's agent; returns its name."""
+        name = self._agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_peer(self, name: str) -> None:
+        self._agent.remove_remote_agent(name)
+
+    def warm_up(self, peer: str) -> None:
+        """Starts connecting to a peer now (a hello notification), so the first WRITE doesn't pay for it.
+
+        Connection setup costs tens of milliseconds over UCX; it completes as
+        both agents make progress, long before a request needs it.
+        """
+        self._agent.send_notif(peer, HELLO)
+
+    def post_write(self, peer: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, device: int, notif: bytes) -> PostedWrite:
+        """Posts one WRITE of the given segments with a completion notification."""
+        n = int(lengths.size)
+        dev = np.full(n, device, dtype=np.uint64)
+        src_descs = self._agent.get_xfer_descs(np.stack([src, lengths, dev], axis=1), self.memory_kind)
+        dst_descs = self._agent.get_xfer_descs(np.stack([dst, lengths, dev], axis=1), self.memory_kind)
+        handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notif)
+        state = self._agent.transfer(handle)
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise RuntimeError(f"NIXL WRITE to {peer} could not be posted")
+        return PostedWrite(handle, peer, int(lengths.sum()), n)
+
+    def poll(self, write: PostedWrite) -> str:
+        """Returns "DONE", "PROC" or "ERR"; progresses the agent."""
+        return self._agent.check_xfer_state(write.handle)
+
+    def release(self, write: PostedWrite) -> None:
+        self._agent.release_xfer_handle(write.handle)
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """New notifications by sender agent name; progresses the agent."""
+        return self._agent.get_new_notifs()
+
+    def close(self) -> None:
+        if self._registered is not None:
+            try:
+                self._agent.deregister_memory(self._registered, backends=self.backends)
+            except Exception:  # teardown: the process is going away either way
+                logger.debug("NIXL deregistration failed", exc_info=True)
+            self._registered = None

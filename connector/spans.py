@@ -1,0 +1,41 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector's critical-path spans.
+
+Segments are measured where they happen (scheduler, engine thread, transfer
+thread) and emitted afterwards with explicit start and end times, each a
+child of the router's span named by the request's traceparent, so one trace
+covers router, P, broker and D.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+
+from kvpush.telemetry import extract_context, span_attributes
+
+TRACER_NAME = "kvpush.connector"
+
+
+class Spans:
+    """Emits spans for one engine; a no-op when tracing is not configured."""
+
+    def __init__(self, engine_id: str, role: str):
+        self.engine_id = engine_id
+        self.role = role
+        self._tracer = trace.get_tracer(TRACER_NAME)
+
+    def emit(self, name: str, start_ns: int, end_ns: int, request: Any, **attributes: Any) -> None:
+        """request: anything with transfer_id, attempt, traceparent and optionally client_request_id."""
+        parent = extract_context({"traceparent": request.traceparent}) if request.traceparent else None
+        attrs = span_attributes(
+            request.transfer_id,
+            request.attempt,
+            engine_id=self.engine_id,
+            client_request_id=getattr(request, "client_request_id", ""),
+        )
+        attrs["kvpush.role"] = self.role
+        attrs.update({f"kvpush.{k}": v for k, v in attributes.items() if v is not None and v != ""})
+        span = self._tracer.start_span(name, context=parent, start_time=start_ns, attributes=attrs)
+        span.end(end_time=max(end_ns, start_ns))

@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker side of the connector: one per TP/PP rank of an engine.
+
+At startup it registers the KV cache with NIXL and its rank with the
+registrar. During serving, the engine thread only hands work to the transfer
+thread (producer or consumer) and collects results; when a step has nothing
+to compute it sleeps until a transfer makes progress instead of spinning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import torch
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.consumer import Consumer
+from kvpush.connector.control import ControlSession
+from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
+from kvpush.connector.nixl_agent import KvAgent, MemoryRange
+from kvpush.connector.producer import LocalLayout, Producer
+from kvpush.connector.spans import Spans
+from kvpush.engine.v1 import engine_pb2
+from kvpush.layout.geometry import TORCH_DTYPES, describe_layer
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_FORMAT = "kvpush1"
+
+
+def incarnation_of(vllm_config: Any, engine_id: str) -> str:
+    """Same in the scheduler and every worker of one engine start, new at every start."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"kvpush:{engine_id}:{vllm_config.instance_id}").hex
+
+
+def compatibility_hash(vllm_config: Any, layout: engine_pb2.KvLayout) -> str:
+    """What P and D must agree on for KV bytes to mean the same thing (block size and TP may differ)."""
+    model = vllm_config.model_config
+    parts = [
+        TRANSFER_FORMAT,
+        ",".join(getattr(model.hf_config, "architectures", None) or []),
+        str(layout.dtype),
+        str(layout.head_size),
+        str(layout.total_kv_heads),
+        str(layout.num_layers),
+        str(getattr(model.hf_config, "vocab_size", "")),
+    ]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def _parallel_ranks() -> tuple[int, int, int, int]:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp, pp = get_tp_group(), get_pp_group()
+    return tp.rank_in_group, tp.world_size, pp.rank_in_group, pp.world_size
+
+
+class KvpushWorker:
+    """Worker-side state and the per-step hand-offs."""
+
+    def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any):
+        self.config = config
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.incarnation = incarnation_of(vllm_config, config.engine_id)
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks()
+        if self.pp_size > 1:
+            raise ValueError("kvpush: pipeline parallelism is not supported yet (pp_size > 1)")
+        self.spans = Spans(config.engine_id, config.role)
+        self.agent: KvAgent | None = None
+        self.session: ControlSession | None = None
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.engine_token = ""
+        self.memory_is_device = False
+
+    # ---- startup --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout, ranges, device = self._describe(kv_caches)
+        self.memory_is_device = layout.memory_kind == engine_pb2.MEMORY_KIND_VRAM
+        name = f"{self.config.engine_id}.{self.incarnation[:12]}.tp{self.tp_rank}.pp{self.pp_rank}"
+        self.agent = KvAgent(name, list(self.config.backends), "VRAM" if self.memory_is_device else "DRAM")
+        self.agent.register(ranges)
+        request = reg_pb.RegisterEngineRankRequest(
+            rank=engine_pb2.EngineRank(
+                engine_id=self.config.engine_id,
+                incarnation=self.incarnation,
+                role=engine_pb2.ENGINE_ROLE_PREFILL if self.config.role == "prefill" else engine_pb2.ENGINE_ROLE_DECODE,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                pp_rank=self.pp_rank,
+                pp_size=self.pp_size,
+            ),
+            nixl=engine_pb2.NixlAgent(agent_name=name, agent_metadata=self.agent.metadata(), backends=list(self.config.backends)),
+            layout=layout,
+            compatibility_hash=compatibility_hash(self.vllm_config, layout),
+        )
+        self.session = ControlSession(self.config, f"kvpush-control-tp{self.tp_rank}")
+        lease = self.session.register_rank(request)
+        self.engine_token = lease.engine_token
+        self.session.set_engine_token(lease.engine_token)
+        self.session.keep_alive(request, lease)
+        poll_s, idle_s = self.config.poll_interval_ms / 1000, self.config.idle_poll_ms / 1000
+        broker = self.session.broker
+        if self.config.role == "prefill":
+            local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
+            self.producer = Producer(self.agent, local, self.config.engine_id,
+                                     lambda r: self.session.submit(broker.report_write_result(r)), self.spans, poll_s, idle_s)
+            watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
+            self.session.follow("WatchEngines", lambda: self.session.registrar.watch_engines(watch), self.producer.on_engine_event)
+            orders = rv_pb.StreamWriteOrdersRequest(
+                engine_id=self.config.engine_id, incarnation=self.incarnation, tp_rank=self.tp_rank,
+                pp_rank=self.pp_rank, early_orders=self.config.early_orders,
+            )
+            self.session.follow("StreamWriteOrders", lambda: broker.stream_write_orders(orders), self.producer.on_order_stream)
+        else:
+            self.consumer = Consumer(self.agent, self.spans, poll_s, idle_s)
+        logger.info("kvpush: %s rank tp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank,
+                    layout.memory_kind and engine_pb2.MemoryKind.Name(layout.memory_kind), len(layout.regions), name)
+
+    def _describe(self, kv_caches: dict[str, torch.Tensor]) -> tuple[engine_pb2.KvLayout, list[MemoryRange], int]:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        backends = {b.get_name() for b in get_current_attn_backends(self.vllm_config)}
+        if len(backends) != 1:
+            raise ValueError(f"kvpush: one attention backend expected, found {sorted(backends)}")
+        backend = backends.pop()
+        model_config = self.vllm_config.model_config
+        layout = engine_pb2.KvLayout(memory_kind=engine_pb2.MEMORY_KIND_DRAM)
+        total_heads = model_config.get_total_num_kv_heads()
+        ranges: list[MemoryRange] = []
+        device = 0
+        layer_names: list[tuple[int, str, int]] = []
+        for group_index, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if type(spec).__name__ not in ("FullAttentionSpec",):
+                raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; only full attention moves in v1")
+            layout.groups.add(group_index=group_index, kind=engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION,
+                              block_size=spec.block_size, num_blocks=self.kv_cache_config.num_blocks)
+            layer_names += [(extract_layer_index(n), n, group_index) for n in group.layer_names]
+            dtype = TORCH_DTYPES.get(str(spec.dtype))
+            if dtype is None:
+                raise ValueError(f"kvpush: KV cache dtype {spec.dtype} is not supported")
+            layout.dtype, layout.head_size, layout.num_local_heads = dtype, spec.head_size, spec.num_kv_heads
+        layout.total_kv_heads = total_heads
+        layout.first_head = (self.tp_rank // (self.tp_size // total_heads)) if self.tp_size >= total_heads else self.tp_rank * layout.num_local_heads
+        layout.num_layers = len(layer_names)
+        for layer_index, name, group_index in sorted(layer_names):
+            tensor = kv_caches[name]
+            if tensor.is_cuda:
+                layout.memory_kind = engine_pb2.MEMORY_KIND_VRAM
+                device = tensor.device.index or 0
+            block_size = layout.groups[group_index].block_size
+            for plane in describe_layer(backend, tuple(tensor.shape), tuple(tensor.stride()), tensor.data_ptr(), tensor.element_size(),
+                                        num_blocks=self.kv_cache_config.num_blocks, block_size=block_size,
+                                        num_local_heads=layout.num_local_heads, head_size=layout.head_size, layer_index=layer_index):
+                layout.regions.add(layer_name=name, layer_index=layer_index, group_index=group_index, plane=plane.plane,
+                                   base_address=plane.base, block_stride_bytes=plane.block_stride,
+                                   head_stride_bytes=plane.head_stride, token_stride_bytes=plane.token_stride,
+                                   channel_stride_bytes=plane.channel_stride, device_id=device)
+            storage = tensor.untyped_storage()
+            ranges.append(MemoryRange(storage.data_ptr(), storage.nbytes(), device))
+        return layout, ranges, device
+
+    def handshake(self) -> KvpushHandshake:
+        return KvpushHandshake(engine_token=self.engine_token, incarnation=self.incarnation)
+
+    # ---- per step -------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KvpushMetadata) -> None:
+        if self.consumer is not None:
+            for recv in meta.recvs:
+                self.consumer.expect(recv)
+            for req_id, reason in meta.fails.items():
+                self.consumer.fail(req_id, reason)
+        if meta.cancels and self.tp_rank == 0:
+            for transfer_id, attempt in meta.cancels:
+                request = rv_pb.CancelTransferRequest(detail="prefill request aborted")
+                request.key.transfer_id, request.key.attempt = transfer_id, attempt
+                self.session.submit(self.session.broker.cancel_transfer(request))
+
+    def wait_for_save(self, meta: KvpushMetadata) -> None:
+        if self.producer is None or not meta.sources:
+            return
+        ready_event = None
+        if self.memory_is_device:
+            ready_event = torch.cuda.Event()
+            ready_event.record()
+        now_ns = time.time_ns()
+        for source in meta.sources:
+            self.producer.source_ready(source, ready_event)
+            if self.tp_rank == 0:
+                self._report_prefill_done(source, now_ns)
+
+    def _report_prefill_done(self, source, now_ns: int) -> None:
+        self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
+        self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
+        request = rv_pb.ReportPrefillDoneRequest(client_request_id=source.client_request_id, decode_engine_id=source.decode_engine_id)
+        request.key.transfer_id, request.key.attempt = source.transfer_id, source.attempt
+        request.source.engine_id, request.source.incarnation, request.source.num_tokens = self.config.engine_id, self.incarnation, source.num_tokens
+        for group, ids in enumerate(source.blocks):
+            request.source.blocks.add(group_index=group, block_ids=ids)
+        request.timeout.FromMilliseconds(int(source.hold_s * 1000))
+        broker, spans = self.session.broker, self.spans
+
+        async def report() -> None:
+            start = time.time_ns()
+            try:
+                await broker.report_prefill_done(request)
+            finally:
+                spans.emit("p.prefill_done_report", start, time.time_ns(), source)
+
+        self.session.submit(report())
+
+    def get_transfer_results(self, meta: KvpushMetadata | None) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving)."""
+        idle = meta is not None and meta.idle
+        wait_s = self.config.idle_wait_ms / 1000
+        if self.producer is not None:
+            done = self.producer.take_finished()
+            if not done and idle and self.producer.has_work() and self.producer.ready.wait(wait_s):
+                done = self.producer.take_finished()
+            return done, set(), set()
+        if self.consumer is not None:
+            finished, failed = self.consumer.take_results()
+            if not finished and idle and self.consumer.has_work() and self.consumer.ready.wait(wait_s):
+                finished, failed = self.consumer.take_results()
+            return set(), finished, failed
+        return set(), set(), set()
+
+    def shutdown(self) -> None:
+        for part in (self.producer, self.consumer):
+            if part is not None:
+                part.stop()
+        if self.session is not None:
+            self.session.close()
+        if self.agent is not None:
+            self.agent.close()

@@ -1,0 +1,20 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""The typed Python client of the kvpush control plane: the one way code talks to it."""
+
+from kvpush.client.broker import BrokerClient
+from kvpush.client.config import ClientConfig, RetryPolicy
+from kvpush.client.loop_thread import LoopThread
+from kvpush.client.registrar import RegistrarClient
+from kvpush.client.rpc import ENGINE_TOKEN_METADATA_KEY, BidiStreamCall, StreamCall
+
+__all__ = [
+    "ENGINE_TOKEN_METADATA_KEY",
+    "BidiStreamCall",
+    "BrokerClient",
+    "ClientConfig",
+    "LoopThread",
+    "RegistrarClient",
+    "RetryPolicy",
+    "StreamCall",
+]

@@ -1,0 +1,126 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""Client configuration: targets, credentials, TLS, deadlines, retries and channel options."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import grpc
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of unary calls that failed with UNAVAILABLE.
+
+    Backoff follows gRPC's retry design: before retry n (from 1) the client
+    sleeps a uniformly random time in [0, min(max_backoff_s,
+    initial_backoff_s * backoff_multiplier ** (n - 1))). No retry starts
+    after the call's deadline. max_attempts counts the first try; 1 turns
+    retries off.
+    """
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 1.0
+    backoff_multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError("backoffs must satisfy 0 < initial_backoff_s <= max_backoff_s")
+        if self.backoff_multiplier < 1:
+            raise ValueError("backoff_multiplier must be at least 1")
+
+    def backoff_cap_s(self, retry: int) -> float:
+        """Returns the upper bound of the sleep before retry number `retry` (from 1)."""
+        return min(self.max_backoff_s, self.initial_backoff_s * self.backoff_multiplier ** (retry - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class ClientConfig:
+    """How a RegistrarClient or BrokerClient reaches the control plane.
+
+    The embedded control plane serves both services on one address
+    (`target`); registrar_target / broker_target override it per service.
+
+    Keepalive: the client pings every keepalive_time_s while a call is open
+    (long streams go quiet for minutes) and only then, so an idle channel
+    stays silent. A server must accept pings that often
+    (grpc.http2.min_recv_ping_interval_without_data_ms <= keepalive_time_s),
+    or it answers with GOAWAY "too_many_pings".
+    """
+
+    target: str = "127.0.0.1:50051"
+    registrar_target: str = ""
+    broker_target: str = ""
+    # token is the shared secret sent as "authorization: Bearer <token>".
+    token: str = ""
+    # engine_token is RegisterEngineRankResponse.engine_token, sent as
+    # "kvpush-engine-token"; clients also take it after registration
+    # (RegistrarClient.engine_token = ...).
+    engine_token: str = ""
+    # TLS turns on with tls=True or any of the paths below; cert + key make it mTLS.
+    tls: bool = False
+    ca_cert_path: str = ""
+    client_cert_path: str = ""
+    client_key_path: str = ""
+    # tls_server_name overrides the name checked against the server's
+    # certificate (for addresses that are not in its SANs).
+    tls_server_name: str = ""
+    default_timeout_s: float = 5.0
+    retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
+    keepalive_time_s: float = 30.0
+    keepalive_timeout_s: float = 10.0
+    # KV layouts list a region per layer and plane and WatchEngines sends
+    # every rank of an engine at once: more than gRPC's 4 MiB default.
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not (self.target or (self.registrar_target and self.broker_target)):
+            raise ValueError("target is required")
+        if bool(self.client_cert_path) != bool(self.client_key_path):
+            raise ValueError("client_cert_path and client_key_path go together")
+        if self.default_timeout_s <= 0:
+            raise ValueError("default_timeout_s must be positive")
+        if self.keepalive_time_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError("keepalive times must be positive")
+        if self.max_message_bytes <= 0:
+            raise ValueError("max_message_bytes must be positive")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls or bool(self.ca_cert_path or self.client_cert_path)
+
+    def channel_options(self) -> list[tuple[str, int | str]]:
+        """Returns the grpc channel arguments this config implies."""
+        options: list[tuple[str, int | str]] = [
+            ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return options
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Returns TLS credentials from the configured files (system roots when no CA is given)."""
+
+        def read(path: str) -> bytes | None:
+            return pathlib.Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca_cert_path),
+            private_key=read(self.client_key_path),
+            certificate_chain=read(self.client_cert_path),
+        )
+
+    def open_channel(self, target: str) -> grpc.aio.Channel:
+        """Opens a grpc.aio channel to target; call it on the event loop that will use the channel."""
+        if self.uses_tls:
+            return grpc.aio.secure_channel(target, self.channel_credentials(), options=self.channel_options())
+        return grpc.aio.insecure_channel(target, options=self.channel_options())

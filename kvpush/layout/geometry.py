@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Byte geometry of a worker's KV cache, as carried in KvLayout.
+
+Every attention layer is described by two planes (keys, values). Four byte
+strides place blocks, heads, tokens and channels (the head_size elements of
+one token of one head) within a plane. That is enough for a peer to address
+any (layer, plane, block, head, token, channel), whatever the attention
+backend's tensor shape, and to move KV between sides whose block sizes or
+tensor-parallel splits differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpush.engine.v1 import engine_pb2
+
+DTYPE_SIZES = {
+    engine_pb2.KV_DTYPE_FLOAT32: 4,
+    engine_pb2.KV_DTYPE_FLOAT16: 2,
+    engine_pb2.KV_DTYPE_BFLOAT16: 2,
+    engine_pb2.KV_DTYPE_FP8_E4M3: 1,
+    engine_pb2.KV_DTYPE_FP8_E5M2: 1,
+}
+
+TORCH_DTYPES = {
+    "torch.float32": engine_pb2.KV_DTYPE_FLOAT32,
+    "torch.float16": engine_pb2.KV_DTYPE_FLOAT16,
+    "torch.bfloat16": engine_pb2.KV_DTYPE_BFLOAT16,
+    "torch.float8_e4m3fn": engine_pb2.KV_DTYPE_FP8_E4M3,
+    "torch.float8_e5m2": engine_pb2.KV_DTYPE_FP8_E5M2,
+    "torch.uint8": engine_pb2.KV_DTYPE_FP8_E4M3,
+}
+
+
+@dataclass(frozen=True)
+class Plane:
+    """One (layer, plane) region: where channel c of token t of local head h of block b lives."""
+
+    layer_index: int
+    plane: int  # engine_pb2.KvPlane
+    base: int
+    block_stride: int
+    head_stride: int
+    token_stride: int
+    channel_stride: int  # the element size when channels are contiguous
+
+    def address(self, block: int, head: int, token: int, channel: int = 0) -> int:
+        return self.base + block * self.block_stride + head * self.head_stride + token * self.token_stride + channel * self.channel_stride
+
+
+def describe_layer(
+    backend_name: str,
+    shape: tuple[int, ...],
+    strides_elems: tuple[int, ...],
+    data_ptr: int,
+    element_size: int,
+    *,
+    num_blocks: int,
+    block_size: int,
+    num_local_heads: int,
+    head_size: int,
+    layer_index: int,
+) -> tuple[Plane, Plane]:
+    """Key and value planes of one layer's vLLM KV cache tensor.
+
+    vLLM 0.32+ hands every attention layer as a logical [B, H, N, C] tensor
+    (C = key channels then value channels). Most backends store token n's key
+    in C[:head_size] and its value in C[head_size:]. The CPU backend
+    reinterprets each (block, head) page as keys transposed ([head_size,
+    block_size], channel-major) followed by values ([block_size, head_size]).
+    """
+    if len(shape) != 4:
+        raise ValueError(f"expected a [blocks, heads, tokens, channels] KV tensor, got shape {shape}")
+    blocks, heads, tokens, channels = shape
+    if blocks != num_blocks:
+        raise ValueError(
+            f"KV tensor has {blocks} kernel blocks for {num_blocks} cache blocks: kvpush needs the "
+            "attention kernel block size to equal --block-size"
+        )
+    if heads != num_local_heads or channels != 2 * head_size or tokens != block_size:
+        raise ValueError(
+            f"KV tensor shape {shape} does not match blocks={num_blocks} heads={num_local_heads} "
+            f"block_size={block_size} head_size={head_size} (keys and values of equal size)"
+        )
+    s_block, s_head, s_token, s_chan = (s * element_size for s in strides_elems)
+    if s_chan != element_size:
+        raise ValueError(f"KV tensor channels are not contiguous (strides {strides_elems})")
+    row = head_size * element_size
+    if backend_name == "CPU_ATTN":
+        if s_token != 2 * row or s_head != block_size * 2 * row:
+            raise ValueError(f"CPU_ATTN KV pages must be contiguous per (block, head); strides {strides_elems}")
+        es = element_size
+        key = Plane(layer_index, engine_pb2.KV_PLANE_KEY, data_ptr, s_block, s_head, es, block_size * es)
+        value = Plane(layer_index, engine_pb2.KV_PLANE_VALUE, data_ptr + block_size * row, s_block, s_head, row, es)
+        return key, value
+    key = Plane(layer_index, engine_pb2.KV_PLANE_KEY, data_ptr, s_block, s_head, s_token, element_size)
+    value = Plane(layer_index, engine_pb2.KV_PLANE_VALUE, data_ptr + row, s_block, s_head, s_token, element_size)
+    return key, value
+
+
+def planes_from_layout(layout: engine_pb2.KvLayout, group: int | None = None) -> list[Plane]:
+    """The planes of a KvLayout (of one KV cache group if given), ordered by (layer_index, plane)."""
+    element = DTYPE_SIZES[layout.dtype]
+    planes = [
+        Plane(r.layer_index, r.plane, r.base_address, r.block_stride_bytes, r.head_stride_bytes, r.token_stride_bytes,
+              r.channel_stride_bytes or element)
+        for r in layout.regions
+        if group is None or r.group_index == group
+    ]
+    planes.sort(key=lambda p: (p.layer_index, p.plane))
+    return planes
+
+
+def dtype_bytes(layout: engine_pb2.KvLayout) -> int:
+    return DTYPE_SIZES[layout.dtype]
+
+
+def compatibility_fields(layout: engine_pb2.KvLayout) -> tuple:
+    """What must match between P and D for bytes to mean the same thing.
+
+    Block size, block count and tensor-parallel split may differ; the
+    per-token per-head element layout may not.
+    """
+    return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers)

@@ -1,0 +1,48 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""W3C trace-context carriers and the kvpush span attribute names."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry import propagate
+from opentelemetry.context import Context
+
+ATTR_TRANSFER_ID = "kvpush.transfer_id"
+ATTR_ATTEMPT = "kvpush.attempt"
+ATTR_ENGINE_ID = "kvpush.engine_id"
+ATTR_CLIENT_REQUEST_ID = "kvpush.client_request_id"
+
+
+def inject_traceparent(context: Context | None = None) -> dict[str, str]:
+    """Returns the W3C carrier ("traceparent", and "tracestate"/"baggage" when set) of context.
+
+    context defaults to the current one. The keys are lowercase, so the dict
+    can go into gRPC metadata, a WriteOrder's trace_context or
+    kv_transfer_params as is. It is empty when there is no valid span.
+    """
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return carrier
+
+
+def extract_context(carrier: Mapping[str, str]) -> Context:
+    """Returns a context whose parent span is the one carrier names (the current context if none)."""
+    return propagate.extract(dict(carrier))
+
+
+def span_attributes(
+    transfer_id: str,
+    attempt: int,
+    *,
+    engine_id: str = "",
+    client_request_id: str = "",
+) -> dict[str, str | int]:
+    """Returns the kvpush attributes of a transfer span; empty optional values are left out."""
+    attributes: dict[str, str | int] = {ATTR_TRANSFER_ID: transfer_id, ATTR_ATTEMPT: int(attempt)}
+    if engine_id:
+        attributes[ATTR_ENGINE_ID] = engine_id
+    if client_request_id:
+        attributes[ATTR_CLIENT_REQUEST_ID] = client_request_id
+    return attributes

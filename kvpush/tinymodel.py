@@ -1,0 +1,304 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds the deterministic tiny random-weight Qwen3 model used by tests, the demo and benchmarks.
+
+The model is a 2-layer Qwen3 (hidden 256, 4 query heads and 2 KV heads of
+size 64, so TP 2 works) with a byte-level BPE tokenizer trained on a built-in
+corpus. Every tensor is drawn from its own `torch.Generator`, seeded from
+`(seed, tensor name)`, and written in float32 with safetensors, so the same
+seed gives byte-identical files on any machine. Weights are scaled well above
+the usual 0.02 so that greedy output depends on the prompt and per-token
+logprobs move when any part of the context changes (with default init a
+random model repeats one token whatever it is given).
+
+`kvpush-model.json` in the model folder records the seed, the config and the
+sha256 of every file; `build_tiny_model` skips the build when it matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+MANIFEST = "kvpush-model.json"
+WEIGHTS = "model.safetensors"
+# Bump when the generator changes in a way that changes the files.
+BUILDER_VERSION = 1
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_VOCAB_SIZE = 4096
+
+MODEL_CONFIG: dict = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "torch_dtype": "float32",
+    "use_cache": True,
+}
+
+# Standard deviation of each weight kind; norms are 1.
+INIT_STD: dict[str, float] = {
+    "embed_tokens": 1.0,
+    "q_proj": 0.5,
+    "k_proj": 0.5,
+    "v_proj": 0.5,
+    "o_proj": 0.5,
+    "gate_proj": 0.5,
+    "up_proj": 0.5,
+    "down_proj": 0.5,
+    "lm_head": 0.5,
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the of and to in is that it for was on are as with by be at this have from or one had not but what all "
+    "were when we there can an your which their said if do will each about how up out them then she many some "
+    "so these would other into has more her two like him see time could no make than first been its who now "
+    "people my made over did down only way find use may water long little very after words called just where "
+    "most know get through back much before go good new write our used me man too any day same right look "
+    "think also around another came come work three word must because does part even place well such here take "
+    "why things help put years different away again off went old number great tell men say small every found "
+    "still between name should home big give air line set own under read last never us left end along while "
+    "might next sound below saw something thought both few those always looked show large often together asked "
+    "house world going want school important until form food keep children feet land side without boy once "
+    "animals life enough took sometimes four head above kind began almost live page got earth need far hand "
+    "high year mother light parts country father let night following picture being study second eyes soon "
+    "times story boys since white days ever paper hard near sentence better best across during today others "
+    "however sure means knew try told young miles sun ways thing whole hear example heard several change answer "
+    "room sea against top turned learn point city play toward five using himself usually cache prefill decode "
+    "engine transfer block tensor request latency token worker scheduler router broker registrar stream write"
+).split()
+_ONSETS = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "br", "ch",
+           "cl", "dr", "gr", "pl", "qu", "sh", "st", "th", "tr", "str"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "ee", "oo"]
+_CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck", "ng", "x", "rk"]
+_PUNCT = [".", ",", ";", ":", "!", "?"]
+
+
+def default_model_dir() -> Path:
+    """Where the model lives unless told otherwise.
+
+    `$KVPUSH_MODEL_DIR` if set; else `models/tiny-qwen3` in the source
+    checkout (git-ignored) when running from one; else
+    `~/.cache/kvpush/models/tiny-qwen3`.
+    """
+    env = os.environ.get("KVPUSH_MODEL_DIR")
+    if env:
+        return Path(env)
+    repo_root = Path(__file__).resolve().parents[1]
+    if (repo_root / "pyproject.toml").is_file():
+        return repo_root / "models" / "tiny-qwen3"
+    return Path.home() / ".cache" / "kvpush" / "models" / "tiny-qwen3"
+
+
+def corpus(num_sentences: int = 6000) -> list[str]:
+    """The deterministic tokenizer training corpus.
+
+    Sentences of common English words mixed with pseudo-words built from
+    syllables, numbers and punctuation, drawn with a fixed `random.Random`.
+    The corpus does not depend on the model seed, so the tokenizer is the
+    same for every seed.
+    """
+    rng = random.Random(20240607)
+    pseudo = sorted({
+        "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randint(1, 3)))
+        for _ in range(3000)
+    } - {""})
+    lines = []
+    for _ in range(num_sentences):
+        words = []
+        for _ in range(rng.randint(6, 18)):
+            roll = rng.random()
+            if roll < 0.6:
+                words.append(rng.choice(_WORDS))
+            elif roll < 0.92:
+                # Zipf-like: early pseudo-words are much more frequent.
+                words.append(pseudo[min(int(rng.paretovariate(1.0)) - 1, len(pseudo) - 1)
+                                    if rng.random() < 0.5 else rng.randrange(len(pseudo))])
+            else:
+                words.append(str(rng.randint(0, 10 ** rng.randint(1, 5))))
+        text = " ".join(words)
+        lines.append(text[0].upper() + text[1:] + rng.choice(_PUNCT))
+    return lines
+
+
+def build_tokenizer():
+    """Trains the byte-level BPE tokenizer; returns a transformers PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def model_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+    """The `config.json` contents for a tokenizer of `vocab_size` tokens."""
+    return {**MODEL_CONFIG, "vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+            "bos_token_id": None}
+
+
+def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of every Qwen3ForCausalLM parameter, in HF naming."""
+    h, v, hd = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (hd,),
+            p + "self_attn.k_norm.weight": (hd,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    return shapes
+
+
+def make_weights(config: dict, seed: int) -> dict:
+    """Draws every tensor from a generator seeded by `(seed, name)`.
+
+    Linear weights are normal with the `INIT_STD` of their kind divided by
+    sqrt(fan_in) (embeddings are not divided), norms are ones.
+    """
+    import torch
+
+    tensors = {}
+    for name, shape in sorted(weight_shapes(config).items()):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shape, dtype=torch.float32)
+            continue
+        kind = name.split(".")[-2]
+        std = INIT_STD[kind] if kind == "embed_tokens" else INIT_STD[kind] * 16.0 / shape[1] ** 0.5
+        digest = hashlib.sha256(f"kvpush-tiny-qwen3:{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
+        tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    return tensors
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's contents."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(model_dir: Path) -> dict | None:
+    """The manifest of a built model folder, or None if there is none."""
+    try:
+        return json.loads((Path(model_dir) / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_current(model_dir: Path, seed: int) -> bool:
+    manifest = read_manifest(model_dir)
+    if not manifest or manifest.get("seed") != seed or manifest.get("builder_version") != BUILDER_VERSION:
+        return False
+    files = manifest.get("files", {})
+    return bool(files) and all((model_dir / name).is_file() and file_sha256(model_dir / name) == digest
+                               for name, digest in files.items())
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
+    """Builds the model into `out_dir` (skipped if already built with this seed) and returns `out_dir`.
+
+    The files are written to a temporary sibling folder and renamed into
+    place, so concurrent builders and readers never see a half-written model.
+    """
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    if _is_current(out_dir, seed):
+        logging.getLogger(__name__).info("model in %s is current (seed %d)", out_dir, seed)
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tokenizer = build_tokenizer()
+        tokenizer.save_pretrained(tmp)
+        config = model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
+        save_file(make_weights(config, seed), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        files = {p.name: file_sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"builder_version": BUILDER_VERSION, "seed": seed, "sha256": files[WEIGHTS], "files": files,
+                    "config": config}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logging.getLogger(__name__).info("built model in %s (seed %d, sha256 %s)", out_dir, seed, files[WEIGHTS])
+    return out_dir
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """Adds the `kvpush build-model` flags."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help="model folder (default: $KVPUSH_MODEL_DIR or models/tiny-qwen3 in the checkout)")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Builds the model and prints its folder and weights hash."""
+    out = build_tiny_model(args.out or default_model_dir(), seed=args.seed)
+    print(f"{out} sha256={read_manifest(out)['sha256']}")
+    return 0

@@ -1,0 +1,94 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`kvpush broker`: the rendezvous broker alone, mirroring a registrar at --registrar."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
+from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.services.broker import servicer as broker_servicer
+from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.metrics import BrokerMetrics
+from kvpush.services.broker.remote_directory import RemoteEngineDirectory
+from kvpush.services.common.auth import AUTHORIZATION_KEY, Authenticator
+from kvpush.services.common.clock import SystemClock
+from kvpush.services.common.config import ServerConfig, add_option
+from kvpush.services.common.deadline_runner import DeadlineRunner
+from kvpush.services.common.engine_tokens import EngineTokens
+from kvpush.services.common.server import configure_tracing, MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    ServerConfig.add_arguments(parser, default_listen="127.0.0.1:50053")
+    BrokerConfig.add_arguments(parser)
+    add_option(parser, "--registrar", "KVPUSH_REGISTRAR", default="127.0.0.1:50052", help_text="registrar address (host:port)")
+    add_option(parser, "--registrar-timeout", "KVPUSH_REGISTRAR_TIMEOUT_S", convert=float, default=5.0, help_text="deadline of each call to the registrar")
+
+
+def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Channel:
+    if server_config.mtls:
+        # The broker's own certificate is its client identity towards the registrar.
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=server_config.tls_ca.read_bytes(),
+            private_key=server_config.tls_key.read_bytes(),
+            certificate_chain=server_config.tls_cert.read_bytes(),
+        )
+        return grpc.aio.secure_channel(target, credentials)
+    return grpc.aio.insecure_channel(target)
+
+
+async def serve(server_config: ServerConfig, broker_config: BrokerConfig, registrar_target: str, registrar_timeout_s: float) -> int:
+    configure_tracing("kvpush-broker")
+    clock = SystemClock()
+    token = "" if server_config.mtls else server_config.resolve_token()
+    # In shared-token mode engine tokens are checked with the registrar's key.
+    tokens = None if server_config.mtls else EngineTokens(server_config.resolve_engine_token_key(create=False))
+    channel = _registrar_channel(server_config, registrar_target)
+    directory = RemoteEngineDirectory(
+        reg_grpc.RegistrarServiceStub(channel),
+        tokens,
+        metadata=() if server_config.mtls else ((AUTHORIZATION_KEY, f"Bearer {token}"),),
+        rpc_timeout_s=registrar_timeout_s,
+    )
+    registry = CollectorRegistry()
+    broker = BrokerCore(directory, broker_config, clock, metrics=BrokerMetrics(registry))
+    auth = Authenticator(mtls=server_config.mtls, check_engine_token=directory.check_engine_token)
+    running = await build_server(
+        server_config,
+        [Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, directory, auth))],
+        token=token,
+        serving=False,
+    )
+    deadlines = DeadlineRunner(broker.tick, clock, "transfer deadlines")
+    broker.set_wakeup(deadlines.wake)
+    metrics = MetricsServer(server_config, registry)
+
+    async def serving_once_synced() -> None:
+        await directory.synced.wait()
+        await running.set_serving(broker_servicer.SERVICE_NAME, True)
+
+    announce("broker", server_config, running.port, metrics.port)
+    return await serve_until_signalled(
+        running,
+        server_config,
+        background=[directory.run(), deadlines.run(), serving_once_synced()],
+        before_stop=[broker.close],
+        after_stop=[metrics.close, channel.close],
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        configs = (ServerConfig.from_args(args), BrokerConfig.from_args(args))
+        if not configs[0].mtls and configs[0].engine_token_key_file is None:
+            raise ValueError("--engine-token-key-file must name the registrar's engine token key")
+    except ValueError as exc:
+        print(f"kvpush broker: {exc}", file=sys.stderr)
+        return 2
+    return run_event_loop(serve(*configs, args.registrar, args.registrar_timeout))

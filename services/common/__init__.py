@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Pieces every kvpush service shares: clock, config, auth, server builder, tracing."""

@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Servicer plumbing: kvpush errors become rich statuses, outboxes drain into streams."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from kvpush import status
+from kvpush.errors import Internal, KvpushError, Reason
+from kvpush.services.common.outbox import Outbox
+
+logger = logging.getLogger(__name__)
+
+
+def rpc_method(method):
+    """Wraps an async servicer method: KvpushError aborts with its rich status, anything else with INTERNAL.
+
+    No exception escapes as UNKNOWN. Streaming methods write with
+    context.write() (they are coroutines, not generators), so one wrapper
+    fits every RPC shape.
+    """
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except KvpushError as err:
+            await context.abort_with_status(status.to_status(err))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            logger.exception("%s failed", method.__qualname__)
+            await context.abort_with_status(status.to_status(Internal("internal error; see the server log", reason=Reason.INTERNAL)))
+
+    return wrapper
+
+
+async def drain_to_stream(outbox: Outbox, context: grpc.aio.ServicerContext, wanted: Callable[[], bool]) -> None:
+    """Writes what the outbox receives to the stream until it closes or wanted() turns False.
+
+    Items drained but not written when the stream fails go back to the
+    outbox for the next subscriber; the one whose write failed does not (it
+    may have been sent, and a message must never arrive twice).
+    """
+    while wanted():
+        items = outbox.drain()
+        if not items:
+            if outbox.closed:
+                return
+            await outbox.wait()
+            continue
+        for i, item in enumerate(items):
+            try:
+                await context.write(item)
+            except BaseException:
+                outbox.put_back(items[i + 1 :])
+                raise

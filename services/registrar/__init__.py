@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The registrar: the directory of live engine ranks and their leases."""

@@ -1,0 +1,57 @@
+# SPDX-License-Identifier: Apache-2.0
+"""`kvpush registrar`: the registrar alone (a broker elsewhere mirrors it through WatchEngines)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prometheus_client import CollectorRegistry
+
+from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.services.common.auth import Authenticator
+from kvpush.services.common.clock import SystemClock
+from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.deadline_runner import DeadlineRunner
+from kvpush.services.common.engine_tokens import EngineTokens
+from kvpush.services.common.server import configure_tracing, MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.services.registrar import servicer as registrar_servicer
+from kvpush.services.registrar.config import RegistrarConfig
+from kvpush.services.registrar.core import RegistrarCore
+from kvpush.services.registrar.metrics import register_registrar_metrics
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    ServerConfig.add_arguments(parser, default_listen="127.0.0.1:50052")
+    RegistrarConfig.add_arguments(parser)
+
+
+async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig) -> int:
+    configure_tracing("kvpush-registrar")
+    clock = SystemClock()
+    token = "" if server_config.mtls else server_config.resolve_token()
+    # A separate broker checks engine tokens with this key: it reads the
+    # file this process writes (--engine-token-key-file).
+    registrar = RegistrarCore(registrar_config, clock, EngineTokens(server_config.resolve_engine_token_key(create=True)))
+    registry = CollectorRegistry()
+    register_registrar_metrics(registry, registrar)
+    auth = Authenticator(mtls=server_config.mtls, check_engine_token=registrar.check_engine_token)
+    running = await build_server(
+        server_config,
+        [Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth))],
+        token=token,
+    )
+    leases = DeadlineRunner(registrar.sweep, clock, "lease expiry")
+    registrar.set_wakeup(leases.wake)
+    metrics = MetricsServer(server_config, registry)
+    announce("registrar", server_config, running.port, metrics.port)
+    return await serve_until_signalled(running, server_config, background=[leases.run()], before_stop=[registrar.close], after_stop=[metrics.close])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        configs = (ServerConfig.from_args(args), RegistrarConfig.from_args(args))
+    except ValueError as exc:
+        print(f"kvpush registrar: {exc}", file=sys.stderr)
+        return 2
+    return run_event_loop(serve(*configs))

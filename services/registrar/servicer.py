@@ -1,0 +1,75 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The RegistrarService servicer: authorizes, then hands each call to the RegistrarCore."""
+
+from __future__ import annotations
+
+import grpc
+
+from kvpush.errors import Reason, Unavailable
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.services.common.auth import Authenticator
+from kvpush.services.common.rpc import drain_to_stream, rpc_method
+from kvpush.services.registrar.core import RegistrarCore, RemovalReason
+
+SERVICE_NAME = reg_pb.DESCRIPTOR.services_by_name["RegistrarService"].full_name
+
+
+class RegistrarServicer(reg_grpc.RegistrarServiceServicer):
+    def __init__(self, core: RegistrarCore, auth: Authenticator):
+        self._core = core
+        self._auth = auth
+
+    @rpc_method
+    async def RegisterEngineRank(self, request: reg_pb.RegisterEngineRankRequest, context: grpc.aio.ServicerContext) -> reg_pb.RegisterEngineRankResponse:
+        self._auth.registering_caller(context, request.rank.engine_id, "rank.engine_id")
+        return self._core.register(request)
+
+    @rpc_method
+    async def KeepAlive(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
+        renewed: set[str] = set()
+        bound: set[str] = set()  # engines this stream proved to act for
+        try:
+            async for request in request_iterator:
+                for lease_id in request.lease_ids:
+                    engine_id = self._core.lease_engine(lease_id)
+                    if engine_id is not None and engine_id not in bound:
+                        self._auth.engine_caller(context, engine_id, "lease_ids")
+                        bound.add(engine_id)
+                response = self._core.keep_alive(request.lease_ids)
+                unknown = set(response.unknown_lease_ids)
+                renewed.update(lease_id for lease_id in request.lease_ids if lease_id not in unknown)
+                await context.write(response)
+        finally:
+            # The stream ending without DeregisterEngineRank ends its leases at
+            # once: a worker whose stream dropped is treated as gone.
+            if renewed:
+                self._core.end_leases(renewed, RemovalReason.KEEPALIVE_STREAM_CLOSED)
+
+    @rpc_method
+    async def DeregisterEngineRank(self, request: reg_pb.DeregisterEngineRankRequest, context: grpc.aio.ServicerContext) -> reg_pb.DeregisterEngineRankResponse:
+        engine_id = self._core.lease_engine(request.lease_id)
+        if engine_id is not None:
+            self._auth.engine_caller(context, engine_id, "lease_id")
+        return self._core.deregister(request.lease_id)
+
+    @rpc_method
+    async def GetEngine(self, request: reg_pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> reg_pb.GetEngineResponse:
+        return reg_pb.GetEngineResponse(engine=self._core.describe_engine(request.engine_id))
+
+    @rpc_method
+    async def ListEngines(self, request: reg_pb.ListEnginesRequest, context: grpc.aio.ServicerContext) -> reg_pb.ListEnginesResponse:
+        return reg_pb.ListEnginesResponse(engines=self._core.list_engines(request.role))
+
+    @rpc_method
+    async def WatchEngines(self, request: reg_pb.WatchEnginesRequest, context: grpc.aio.ServicerContext) -> None:
+        subscription = self._core.watch(request.role)
+        try:
+            # Initial metadata tells the watcher the watch exists: whatever
+            # changes from now on reaches it.
+            await context.send_initial_metadata(())
+            await drain_to_stream(subscription.outbox, context, lambda: True)
+        finally:
+            self._core.unwatch(subscription)
+        if subscription.outbox.dropped:
+            raise Unavailable("the watch fell too far behind; watch again for a fresh snapshot", reason=Reason.UNAVAILABLE)

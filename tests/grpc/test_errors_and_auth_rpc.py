@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Refusals over real gRPC: status code, ErrorInfo reason and field; shared-token auth; health, reflection, tracing."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from conftest import CALL_TIMEOUT_S, TOKEN, FakeEngine, bearer, expect_rpc_error, running_control_plane
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from kvpush.errors import Reason
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.common import sample_engines as sample
+from kvpush.services.common.config import ServerConfig
+
+T = CALL_TIMEOUT_S
+CODE = grpc.StatusCode
+
+
+# ----- shared-token auth -----
+
+
+async def test_a_call_without_the_token_is_unauthenticated(channel):
+    registrar = reg_grpc.RegistrarServiceStub(channel)
+    await expect_rpc_error(registrar.ListEngines(reg_pb.ListEnginesRequest(), timeout=T), CODE.UNAUTHENTICATED, Reason.MISSING_CREDENTIALS)
+    stream = registrar.WatchEngines(reg_pb.WatchEnginesRequest(), timeout=T)
+    await expect_rpc_error(stream.read(), CODE.UNAUTHENTICATED, Reason.MISSING_CREDENTIALS)
+
+
+async def test_a_wrong_token_is_unauthenticated(channel):
+    registrar = reg_grpc.RegistrarServiceStub(channel)
+    call = registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), metadata=bearer("not-" + TOKEN), timeout=T)
+    await expect_rpc_error(call, CODE.UNAUTHENTICATED, Reason.BAD_TOKEN)
+    keep_alive = registrar.KeepAlive(metadata=bearer("not-" + TOKEN), timeout=T)
+    await expect_rpc_error(keep_alive.read(), CODE.UNAUTHENTICATED, Reason.BAD_TOKEN)
+
+
+async def test_engine_calls_need_that_engines_token(engines):
+    prefill, decode = engines
+    broker = prefill.broker
+    await expect_rpc_error(
+        broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=bearer(), timeout=T), CODE.UNAUTHENTICATED, Reason.MISSING_CREDENTIALS, "source.engine_id"
+    )
+    await expect_rpc_error(
+        broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=decode.metadata, timeout=T),
+        CODE.PERMISSION_DENIED,
+        Reason.ENGINE_IDENTITY_MISMATCH,
+        "source.engine_id",
+    )
+    await expect_rpc_error(
+        broker.RegisterDestination(sample.destination_request("t1"), metadata=(*bearer(), ("kvpush-engine-token", "decode-0/forged")), timeout=T),
+        CODE.PERMISSION_DENIED,
+        Reason.ENGINE_IDENTITY_MISMATCH,
+        "destination.engine_id",
+    )
+    stream = broker.StreamWriteOrders(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1"), metadata=decode.metadata, timeout=T)
+    await expect_rpc_error(stream.read(), CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH, "engine_id")
+    keep_alive = prefill.registrar.KeepAlive(metadata=decode.metadata, timeout=T)
+    await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=prefill.leases))
+    await expect_rpc_error(keep_alive.read(), CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH, "lease_ids")
+    await expect_rpc_error(
+        prefill.registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=prefill.leases[0]), metadata=decode.metadata, timeout=T),
+        CODE.PERMISSION_DENIED,
+        Reason.ENGINE_IDENTITY_MISMATCH,
+        "lease_id",
+    )
+    key = tr_pb.TransferKey(transfer_id="t1", attempt=1)
+    await expect_rpc_error(
+        broker.CancelTransfer(rv_pb.CancelTransferRequest(key=key), metadata=(*bearer(), ("kvpush-engine-token", "nobody/xyz")), timeout=T),
+        CODE.PERMISSION_DENIED,
+        Reason.ENGINE_IDENTITY_MISMATCH,
+    )
+
+
+async def test_router_level_calls_need_no_engine_token(engines):
+    prefill, _ = engines
+    registrar = reg_grpc.RegistrarServiceStub(prefill.channel)
+    listing = await registrar.ListEngines(reg_pb.ListEnginesRequest(role=sample.DECODE), metadata=bearer(), timeout=T)
+    assert [engine.engine_id for engine in listing.engines] == ["decode-0"]
+    engine = (await registrar.GetEngine(reg_pb.GetEngineRequest(engine_id="prefill-0"), metadata=bearer(), timeout=T)).engine
+    assert engine.state == reg_pb.ENGINE_STATE_READY and engine.ranks[0].nixl.agent_metadata
+    watch = registrar.WatchEngines(reg_pb.WatchEnginesRequest(), metadata=bearer(), timeout=T)
+    first = await watch.read()
+    assert first.type == reg_pb.ENGINE_EVENT_TYPE_UPSERTED and first.engine.engine_id == "decode-0"
+    watch.cancel()
+
+
+# ----- bad inputs -----
+
+
+def _no_metadata(request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankRequest:
+    request.nixl.agent_metadata = b""
+    return request
+
+
+def _region_without_address(request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankRequest:
+    request.layout.regions[3].base_address = 0
+    return request
+
+
+def _bad_role(request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankRequest:
+    request.rank.role = 0
+    return request
+
+
+@pytest.mark.parametrize(
+    "mutate, reason, field",
+    [
+        (_no_metadata, Reason.FIELD_REQUIRED, "nixl.agent_metadata"),
+        (_region_without_address, Reason.FIELD_REQUIRED, "layout.regions[3].base_address"),
+        (_bad_role, Reason.FIELD_REQUIRED, "rank.role"),
+    ],
+)
+async def test_bad_registrations(channel, mutate, reason, field):
+    registrar = reg_grpc.RegistrarServiceStub(channel)
+    call = registrar.RegisterEngineRank(mutate(sample.rank_request("prefill-0", sample.PREFILL)), metadata=bearer(), timeout=T)
+    await expect_rpc_error(call, CODE.INVALID_ARGUMENT, reason, field)
+
+
+async def test_registrar_lookups_and_lease_errors(channel):
+    registrar = reg_grpc.RegistrarServiceStub(channel)
+    await expect_rpc_error(registrar.GetEngine(reg_pb.GetEngineRequest(engine_id="none"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.ENGINE_NOT_FOUND, "engine_id")
+    await expect_rpc_error(
+        registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id="none"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.LEASE_NOT_FOUND, "lease_id"
+    )
+    keep_alive = registrar.KeepAlive(metadata=bearer(), timeout=T)
+    await keep_alive.write(reg_pb.KeepAliveRequest())
+    await expect_rpc_error(keep_alive.read(), CODE.INVALID_ARGUMENT, Reason.FIELD_REQUIRED, "lease_ids")
+    keep_alive = registrar.KeepAlive(metadata=bearer(), timeout=T)
+    await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=["gone"]))
+    assert list((await keep_alive.read()).unknown_lease_ids) == ["gone"]
+    keep_alive.cancel()
+
+
+async def test_conflicting_registration(engines):
+    prefill, _ = engines
+    changed = sample.rank_request("prefill-0", sample.PREFILL)
+    changed.nixl.agent_name = "other"
+    await expect_rpc_error(prefill.registrar.RegisterEngineRank(changed, metadata=bearer(), timeout=T), CODE.ALREADY_EXISTS, Reason.CONFLICTING_DUPLICATE, "rank")
+
+
+BROKER_CASES = [
+    ("block id out of range", "destination", dict(first_block=999), CODE.INVALID_ARGUMENT, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[1]"),
+    ("wrong block count", "destination", dict(num_tokens=40, block_size=8), CODE.INVALID_ARGUMENT, Reason.FIELD_INVALID, "destination.blocks[0].block_ids"),
+    ("unknown prefill engine", "destination", dict(prefill_engine_id="prefill-9"), CODE.NOT_FOUND, Reason.ENGINE_NOT_FOUND, "prefill_engine_id"),
+    ("decode engine as prefill", "destination", dict(prefill_engine_id="decode-0"), CODE.FAILED_PRECONDITION, Reason.ENGINE_ROLE_MISMATCH, "prefill_engine_id"),
+    ("old incarnation", "destination", dict(incarnation="inc-0"), CODE.FAILED_PRECONDITION, Reason.INCARNATION_MISMATCH, "destination.incarnation"),
+    ("no timeout", "destination", dict(timeout_s=0), CODE.INVALID_ARGUMENT, Reason.FIELD_REQUIRED, "timeout"),
+    ("bad transfer id", "destination", dict(transfer_id="t/1"), CODE.INVALID_ARGUMENT, Reason.FIELD_INVALID, "key.transfer_id"),
+    ("source block out of range", "source", dict(first_block=1000), CODE.INVALID_ARGUMENT, Reason.BLOCK_ID_OUT_OF_RANGE, "source.blocks[0].block_ids[0]"),
+    ("named decode engine is prefill", "source", dict(decode_engine_id="prefill-0"), CODE.FAILED_PRECONDITION, Reason.ENGINE_ROLE_MISMATCH, "decode_engine_id"),
+    ("timeout too long", "source", dict(timeout_s=3600), CODE.INVALID_ARGUMENT, Reason.FIELD_OUT_OF_RANGE, "timeout"),
+]
+
+
+@pytest.mark.parametrize("side, change, code, reason, field", [c[1:] for c in BROKER_CASES], ids=[c[0] for c in BROKER_CASES])
+async def test_bad_broker_inputs(engines, side, change, code, reason, field):
+    prefill, decode = engines
+    transfer_id = change.pop("transfer_id", "t1")
+    if side == "destination":
+        call = decode.broker.RegisterDestination(sample.destination_request(transfer_id, **change), metadata=decode.metadata, timeout=T)
+    else:
+        call = prefill.broker.ReportPrefillDone(sample.prefill_done_request(transfer_id, **change), metadata=prefill.metadata, timeout=T)
+    await expect_rpc_error(call, code, reason, field)
+
+
+async def test_transfer_state_errors(engines):
+    prefill, decode = engines
+    broker = decode.broker
+    await broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)
+    await expect_rpc_error(
+        broker.RegisterDestination(sample.destination_request("t1", first_block=3), metadata=decode.metadata, timeout=T),
+        CODE.ALREADY_EXISTS,
+        Reason.CONFLICTING_DUPLICATE,
+        "key",
+    )
+    await expect_rpc_error(
+        prefill.broker.ReportPrefillDone(sample.prefill_done_request("t1", num_tokens=16), metadata=prefill.metadata, timeout=T),
+        CODE.FAILED_PRECONDITION,
+        Reason.TOKEN_COUNT_MISMATCH,
+        "source.num_tokens",
+    )
+    await expect_rpc_error(
+        prefill.broker.ReportPrefillDone(sample.prefill_done_request("t1", num_tokens=48), metadata=prefill.metadata, timeout=T),
+        CODE.FAILED_PRECONDITION,
+        Reason.TRANSFER_ENDED,
+        "key",
+    )
+    await expect_rpc_error(
+        broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t9"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.TRANSFER_NOT_FOUND, "transfer_id"
+    )
+    await expect_rpc_error(
+        prefill.broker.ReportWriteResult(sample.write_result_request("t1", outcome=0), metadata=prefill.metadata, timeout=T),
+        CODE.INVALID_ARGUMENT,
+        Reason.FIELD_REQUIRED,
+        "outcome",
+    )
+
+
+async def test_too_many_transfers_is_resource_exhausted():
+    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), broker_config=BrokerConfig(max_unsettled_attempts=1)) as plane:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+            decode = await FakeEngine(channel, "decode-0", sample.DECODE).register()
+            await FakeEngine(channel, "prefill-0", sample.PREFILL).register()
+            await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)
+            await expect_rpc_error(
+                decode.broker.RegisterDestination(sample.destination_request("t2"), metadata=decode.metadata, timeout=T),
+                CODE.RESOURCE_EXHAUSTED,
+                Reason.TOO_MANY_TRANSFERS,
+                "key",
+            )
+
+
+async def test_an_oversized_message_is_resource_exhausted():
+    async with running_control_plane(ServerConfig(listen="127.0.0.1:0", max_message_bytes=64 * 1024)) as plane:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+            request = sample.rank_request("prefill-0", sample.PREFILL)
+            request.nixl.agent_metadata = b"x" * (128 * 1024)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await reg_grpc.RegistrarServiceStub(channel).RegisterEngineRank(request, metadata=bearer(), timeout=T)
+            assert info.value.code() == CODE.RESOURCE_EXHAUSTED
+
+
+# ----- health, reflection, tracing -----
+
+
+async def test_health_is_served_without_a_token_and_reflection_lists_the_services(plane, channel):
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "kvpush.registrar.v1.RegistrarService", "kvpush.rendezvous.v1.RendezvousService"):
+        response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING, service
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = reflection.ServerReflectionInfo(metadata=bearer(), timeout=T)
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    response = await call.read()
+    names = {service.name for service in response.list_services_response.service}
+    assert {"kvpush.registrar.v1.RegistrarService", "kvpush.rendezvous.v1.RendezvousService", "grpc.health.v1.Health"} <= names
+    await call.done_writing()
+    await plane.running.stop(0)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=T)
+    assert info.value.code() == CODE.UNAVAILABLE
+
+
+async def test_rpcs_are_traced_and_only_server_faults_are_errors():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), tracer_provider=provider) as plane:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+            prefill = await FakeEngine(channel, "prefill-0", sample.PREFILL).register()
+            decode = await FakeEngine(channel, "decode-0", sample.DECODE).register()
+            traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=(*decode.metadata, ("traceparent", traceparent)), timeout=T)
+            await prefill.broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=prefill.metadata, timeout=T)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t9"), metadata=bearer(), timeout=T)
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=T)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert "kvpush.rpc/Check" not in spans
+    register = spans["kvpush.rpc/RegisterDestination"]
+    assert register.kind == SpanKind.SERVER
+    assert f"{register.context.trace_id:032x}" == "0af7651916cd43dd8448eb211c80319c"
+    assert f"{register.parent.span_id:016x}" == "b7ad6b7169203331"
+    assert register.attributes["rpc.grpc.status_code"] == 0
+    not_found = spans["kvpush.rpc/GetTransfer"]
+    assert not_found.attributes["rpc.grpc.status_code"] == CODE.NOT_FOUND.value[0]
+    assert not_found.status.status_code == StatusCode.UNSET  # a client fault is not a server error
+    rendezvous = spans["broker.rendezvous"]
+    assert rendezvous.parent.span_id == register.context.span_id
+    assert len(rendezvous.links) == 2
+
+
+async def test_an_internal_failure_is_internal_not_unknown(plane, channel, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(plane.broker, "get_transfer", broken)
+    broker = rv_grpc.RendezvousServiceStub(channel)
+    await expect_rpc_error(broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=bearer(), timeout=T), CODE.INTERNAL, Reason.INTERNAL)

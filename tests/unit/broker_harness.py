@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A BrokerCore over an in-process RegistrarCore on a ManualClock, with engines registered and subscribed."""
+
+from __future__ import annotations
+
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.broker.core import BrokerCore, Subscription
+from kvpush.services.common import sample_engines as sample
+from kvpush.services.common.clock import ManualClock
+from kvpush.services.common.engine_tokens import EngineTokens, generate_key
+from kvpush.services.registrar.config import RegistrarConfig
+from kvpush.services.registrar.core import RegistrarCore
+
+P = "prefill-0"
+D = "decode-0"
+
+
+class Harness:
+    """prefill-0 (p_tp ranks) and decode-0 (d_tp ranks), every P rank and D subscribed."""
+
+    def __init__(
+        self,
+        *,
+        p_tp: int = 1,
+        d_tp: int = 1,
+        heads: int = 2,
+        early: bool | list[bool] = False,
+        config: BrokerConfig | None = None,
+        tracer_provider=None,
+        subscribe: bool = True,
+    ):
+        self.clock = ManualClock()
+        self.registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=30.0), self.clock, EngineTokens(generate_key()))
+        self.broker = BrokerCore(self.registrar, config or BrokerConfig(retention_s=60.0), self.clock, tracer_provider=tracer_provider)
+        self.leases: dict[str, list[str]] = {}
+        self.p_tp, self.d_tp = p_tp, d_tp
+        for engine_id, role, tp in ((P, sample.PREFILL, p_tp), (D, sample.DECODE, d_tp)):
+            self.leases[engine_id] = [self.registrar.register(r).lease_id for r in sample.engine_requests(engine_id, role, tp_size=tp, total_kv_heads=heads)]
+        self.producers: dict[int, Subscription] = {}
+        self.decode: Subscription | None = None
+        if subscribe:
+            flags = early if isinstance(early, list) else [early] * p_tp
+            for tp in range(p_tp):
+                self.subscribe_producer(tp, flags[tp])
+            self.decode = self.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1"), D)
+
+    def subscribe_producer(self, tp: int, early: bool) -> Subscription:
+        request = rv_pb.StreamWriteOrdersRequest(engine_id=P, incarnation="inc-1", tp_rank=tp, early_orders=early)
+        self.producers[tp] = self.broker.subscribe_producer(request, P)
+        return self.producers[tp]
+
+    # ----- calls -----
+
+    def register(self, transfer_id: str = "t1", attempt: int = 1, **kwargs) -> rv_pb.RegisterDestinationResponse:
+        return self.broker.register_destination(sample.destination_request(transfer_id, attempt, **kwargs), D)
+
+    def prefill_done(self, transfer_id: str = "t1", attempt: int = 1, **kwargs) -> rv_pb.ReportPrefillDoneResponse:
+        return self.broker.report_prefill_done(sample.prefill_done_request(transfer_id, attempt, **kwargs), P)
+
+    def write(self, transfer_id: str = "t1", attempt: int = 1, tp: int = 0, outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN) -> int:
+        request = sample.write_result_request(transfer_id, attempt, tp_rank=tp, outcome=outcome)
+        return self.broker.report_write_result(request, P).state
+
+    def state(self, transfer_id: str = "t1", attempt: int = 1) -> int:
+        return self.broker.get_transfer(transfer_id, attempt).state
+
+    # ----- outputs -----
+
+    def messages(self, tp: int = 0) -> list[rv_pb.StreamWriteOrdersResponse]:
+        return self.producers[tp].outbox.drain()
+
+    def kinds(self, tp: int = 0) -> list[tuple[str, str, int]]:
+        """(kind, transfer_id, attempt) of every message queued for producer rank tp."""
+        out = []
+        for message in self.messages(tp):
+            kind = message.WhichOneof("message")
+            body = getattr(message, kind)
+            out.append((kind, body.key.transfer_id, body.key.attempt))
+        return out
+
+    def events(self) -> list[tuple[str, int, int, int]]:
+        """(transfer_id, attempt, type, reason) of every event queued for the decode engine."""
+        return [(e.event.key.transfer_id, e.event.key.attempt, e.event.type, e.event.reason) for e in self.decode.outbox.drain()]
