@@ -47,12 +47,19 @@ class ControlSession:
         self.registrar.engine_token = token
         self.broker.engine_token = token
 
-    def submit(self, coro) -> None:
-        """Runs coro on the loop, fire-and-forget (failures are logged)."""
+    def submit(self, coro, what: str = "") -> None:
+        """Runs coro on the loop, fire-and-forget; a kvpush error is logged in one line naming `what`."""
         if self._closed:
             coro.close()
             return
-        self.loop.submit(coro)
+
+        async def logged() -> None:
+            try:
+                await coro
+            except errors.KvpushError as exc:
+                logger.warning("kvpush: %s failed: %s", what or "control-plane call", exc)
+
+        self.loop.submit(logged())
 
     def register_rank(self, request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankResponse:
         """Registers this worker's rank, retrying until startup_timeout_s; blocks (engine start only)."""
@@ -77,29 +84,42 @@ class ControlSession:
         return self.loop.call(attempt(), timeout_s=self.config.startup_timeout_s + self.config.rpc_timeout_s)
 
     def keep_alive(self, request: reg_pb.RegisterEngineRankRequest, lease: reg_pb.RegisterEngineRankResponse) -> None:
-        """Renews the lease every ttl/3 on a KeepAlive stream; re-registers if the lease is lost."""
+        """Renews the lease every ttl/3 on a KeepAlive stream.
+
+        The registrar ends a stream's leases when the stream ends, so after
+        any failure (control plane restarted or unreachable) the rank
+        registers again, with backoff, until it succeeds.
+        """
         ttl_s = lease.lease_ttl.ToTimedelta().total_seconds()
 
         async def run() -> None:
             lease_id = lease.lease_id
+            delay = RECONNECT_BACKOFF_S[0]
             while not self._closed:
                 stream = self.registrar.keep_alive()
                 try:
                     await stream.write(reg_pb.KeepAliveRequest(lease_ids=[lease_id]))
                     async for response in stream:
+                        delay = RECONNECT_BACKOFF_S[0]
                         if lease_id in response.unknown_lease_ids:
-                            lease_id = (await self.registrar.register_engine_rank(request)).lease_id
+                            break
                         await asyncio.sleep(ttl_s / 3)
                         await stream.write(reg_pb.KeepAliveRequest(lease_ids=[lease_id]))
-                except errors.KvpushError as exc:
-                    logger.warning("kvpush: lease keep-alive stream failed (%s); re-registering", exc)
-                    await asyncio.sleep(random.uniform(*RECONNECT_BACKOFF_S))
-                    try:
-                        lease_id = (await self.registrar.register_engine_rank(request)).lease_id
-                    except errors.KvpushError as again:
-                        logger.error("kvpush: re-registration failed: %s", again)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # any stream failure: fall through to re-registration
+                    logger.warning("kvpush: lease keep-alive stream failed (%s)", exc)
                 finally:
                     stream.cancel()
+                while not self._closed:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+                    try:
+                        lease_id = (await self.registrar.register_engine_rank(request)).lease_id
+                        logger.info("kvpush: rank re-registered with the control plane")
+                        break
+                    except errors.KvpushError as exc:
+                        logger.warning("kvpush: re-registration failed (%s); retrying", exc)
 
         self._tasks.append(self.loop.submit(run()))
 

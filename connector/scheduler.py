@@ -210,7 +210,7 @@ class KvpushScheduler:
         if session is None:
             events.put((params.key, "kvpush control plane session not started"))
             return
-        session.submit(register())
+        session.submit(register(), "RegisterDestination")
 
     def _cancel(self, key: tuple[str, int], detail: str) -> None:
         if self.session is None:
@@ -219,13 +219,7 @@ class KvpushScheduler:
         request.key.transfer_id, request.key.attempt = key
         broker = self.session.broker
 
-        async def cancel() -> None:
-            try:
-                await broker.cancel_transfer(request)
-            except errors.KvpushError as exc:
-                logger.info("kvpush: cancel of %s: %s", key, exc)
-
-        self.session.submit(cancel())
+        self.session.submit(broker.cancel_transfer(request), f"CancelTransfer {key}")
 
     def on_new_request(self, request: Any) -> None:
         if self.is_decode:

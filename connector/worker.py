@@ -112,7 +112,7 @@ class KvpushWorker:
         if self.config.role == "prefill":
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
             self.producer = Producer(self.agent, local, self.config.engine_id,
-                                     lambda r: self.session.submit(broker.report_write_result(r)), self.spans, poll_s, idle_s)
+                                     lambda r: self.session.submit(broker.report_write_result(r), "ReportWriteResult"), self.spans, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
             self.session.follow("WatchEngines", lambda: self.session.registrar.watch_engines(watch), self.producer.on_engine_event)
             orders = rv_pb.StreamWriteOrdersRequest(
@@ -185,7 +185,7 @@ class KvpushWorker:
             for transfer_id, attempt in meta.cancels:
                 request = rv_pb.CancelTransferRequest(detail="prefill request aborted")
                 request.key.transfer_id, request.key.attempt = transfer_id, attempt
-                self.session.submit(self.session.broker.cancel_transfer(request))
+                self.session.submit(self.session.broker.cancel_transfer(request), "CancelTransfer")
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         if self.producer is None or not meta.sources:
@@ -218,7 +218,7 @@ class KvpushWorker:
             finally:
                 spans.emit("p.prefill_done_report", start, time.time_ns(), source)
 
-        self.session.submit(report())
+        self.session.submit(report(), "ReportPrefillDone")
 
     def get_transfer_results(self, meta: KvpushMetadata | None) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""

@@ -9,8 +9,8 @@ import sys
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
@@ -21,7 +21,7 @@ from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig, add_option
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.engine_tokens import EngineTokens
-from kvpush.services.common.server import configure_tracing, MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.services.common.server import MetricsServer, Service, announce, build_server, configure_tracing, run_event_loop, serve_until_signalled
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

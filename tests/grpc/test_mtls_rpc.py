@@ -9,7 +9,6 @@ import pathlib
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, expect_rpc_error, running_control_plane
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -22,6 +21,8 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
+
+from conftest import CALL_TIMEOUT_S, expect_rpc_error, running_control_plane
 
 T = CALL_TIMEOUT_S
 CODE = grpc.StatusCode
@@ -36,7 +37,7 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _certificate(common_name: str, key, issuer_name: x509.Name, issuer_key, *, ca: bool = False, server: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))

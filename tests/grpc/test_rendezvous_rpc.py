@@ -8,13 +8,14 @@ import time
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, WAIT_S, FakeEngine, Inbox, bearer, expect_rpc_error, read
 
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
+
+from conftest import CALL_TIMEOUT_S, WAIT_S, FakeEngine, Inbox, bearer, expect_rpc_error, read
 
 T = CALL_TIMEOUT_S
 
@@ -154,7 +155,7 @@ async def test_closing_the_keepalive_stream_loses_the_engine_and_tells_decode(en
 
 
 async def test_a_lapsed_lease_loses_the_engine(channel):
-    prefill = await FakeEngine(channel, "prefill-0", sample.PREFILL).register(lease_ttl_s=1.0)
+    await FakeEngine(channel, "prefill-0", sample.PREFILL).register(lease_ttl_s=1.0)
     decode = await FakeEngine(channel, "decode-0", sample.DECODE).register(lease_ttl_s=30.0)
     events = await decode.events()
     await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)

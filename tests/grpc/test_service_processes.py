@@ -6,18 +6,21 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
-from conftest import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
+
+from conftest import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
@@ -79,6 +82,9 @@ async def test_control_plane_process_writes_its_token_and_port_and_stops_cleanly
         assert token_file.stat().st_mode & 0o777 == 0o600
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await wait_serving(channel, "kvpush.rendezvous.v1.RendezvousService")
+        metrics_url = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", service.log_path.read_text()).group(1)
+        metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=T).read().decode())
+        assert "kvpush_broker_rendezvous_total 0.0" in metrics and "kvpush_registrar_engines 0.0" in metrics
     finally:
         assert service.stop() == 0
     log = service.log_path.read_text()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-from broker_harness import D, P, Harness
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,6 +18,8 @@ from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import Actor
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RemovalReason
+
+from broker_harness import D, Harness, P
 
 S = tr_pb  # state and reason names are long; S.TRANSFER_STATE_DONE reads fine
 COMPLETED = tr_pb.TRANSFER_EVENT_TYPE_COMPLETED
@@ -468,8 +469,7 @@ def test_the_two_sides_must_name_each_other(crowded: Harness):
     expect(errors.InvalidArgument, Reason.FIELD_INVALID, "destination.engine_id", crowded.register)
     crowded.register("t2")
     request = sample.prefill_done_request("t2", prefill_engine_id="prefill-half")
-    with pytest.raises(errors.FailedPrecondition):  # prefill-half is not READY
-        crowded.broker.report_prefill_done(request, "prefill-half")
+    expect(errors.FailedPrecondition, Reason.ENGINE_NOT_READY, "source.engine_id", crowded.broker.report_prefill_done, request, "prefill-half")
     crowded.registrar.register(sample.rank_request("prefill-half", sample.PREFILL, tp_rank=1, tp_size=2))
     expect(errors.InvalidArgument, Reason.FIELD_INVALID, "source.engine_id", crowded.broker.report_prefill_done, request, "prefill-half")
     assert crowded.state("t2") == S.TRANSFER_STATE_WAITING_FOR_PREFILL

@@ -1,0 +1,32 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""The router's Prometheus metrics, in a registry of their own (served on the router's /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvpush.services.router.core import EnginePool
+
+# TTFT spans a few milliseconds (tiny prompts, idle engines) to the queueing
+# of an overloaded pair (tens of seconds).
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    """Counters the proxy bumps, the TTFT histogram and per-engine in-flight gauges read from the pools."""
+
+    def __init__(self, pools: tuple[EnginePool, ...], registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvpush_router_requests", "Client requests answered, by API path and HTTP status", ["path", "status"], registry=r)
+        self.leg_failures = Counter("kvpush_router_leg_failures", "Failed prefill or decode legs, by leg and cause", ["leg", "cause"], registry=r)
+        self.retries = Counter("kvpush_router_retries", "Dispatches retried with a new attempt after a leg failed", registry=r)
+        self.cancel_failures = Counter("kvpush_router_cancel_failures", "CancelTransfer calls that did not succeed", registry=r)
+        self.ttft = Histogram(
+            "kvpush_router_time_to_first_token_seconds", "Client request received to first streamed output sent", buckets=_TTFT_BUCKETS, registry=r
+        )
+        in_flight = Gauge("kvpush_router_legs_in_flight", "Legs being served, by engine", ["role", "engine_id", "url"], registry=r)
+        for pool in pools:
+            for endpoint in pool.endpoints:
+                in_flight.labels(pool.role, endpoint.engine_id, endpoint.url).set_function(lambda pool=pool, endpoint=endpoint: pool.in_flight(endpoint))

@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A local kvpush control plane plus P/D engines, for tests, the demo and benchmarks.
+
+`start_control_plane` runs `kvpush control-plane` on 127.0.0.1 (port 0 by
+default, read back from its port file) with a token file and an engine-token
+key file kept in a work directory, so it can be stopped and restarted on the
+same port with the same credentials. `dispatch` plays a minimal router: both
+legs of one transfer at once, as the push protocol wants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.e2e.harness import Completion, completions, log_tail
+
+CONTROL_PLANE_START_TIMEOUT_S = 30.0
+
+
+@dataclass
+class ControlPlaneHandle:
+    """A running `kvpush control-plane` process."""
+
+    process: subprocess.Popen
+    port: int
+    work_dir: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def token_file(self) -> Path:
+        return self.work_dir / "token"
+
+    @property
+    def token(self) -> str:
+        return self.token_file.read_text().strip()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (graceful shutdown), then SIGKILL if it is still there after `timeout`."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+    def kill(self) -> None:
+        """Abrupt death (SIGKILL), as a crash would."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+
+
+def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str] | None = None,
+                        extra_args: Sequence[str] = ()) -> ControlPlaneHandle:
+    """Starts the embedded control plane and waits until it serves (bounded)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    port_file = work_dir / "port"
+    port_file.unlink(missing_ok=True)
+    log = (work_dir / "control-plane.log").open("ab")
+    cmd = [
+        sys.executable, "-m", "kvpush.cli", "control-plane",
+        "--listen", f"127.0.0.1:{port}",
+        "--port-file", str(port_file),
+        "--token-file", str(work_dir / "token"),
+        "--engine-token-key-file", str(work_dir / "engine-token.key"),
+        *extra_args,
+    ]
+    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**os.environ, **(env or {})}, start_new_session=True)
+    deadline = time.monotonic() + CONTROL_PLANE_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"control plane exited with {process.returncode}:\n{log_tail(work_dir / 'control-plane.log')}")
+        text = port_file.read_text().strip() if port_file.exists() else ""
+        if text:
+            return ControlPlaneHandle(process, int(text), work_dir)
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"control plane did not start within {CONTROL_PLANE_START_TIMEOUT_S:.0f} s")
+
+
+def kvpush_transfer_config(role: str, engine_id: str, control_plane: ControlPlaneHandle, **extra: object) -> dict:
+    """vLLM --kv-transfer-config for a kvpush engine; `extra` goes to kv_connector_extra_config."""
+    return {
+        "kv_connector": "KvpushConnector",
+        "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}[role],
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"control_plane": control_plane.address, "token_file": str(control_plane.token_file), **extra},
+    }
+
+
+def transfer_params(role: str, transfer_id: str, peer_engine_id: str, *, attempt: int = 1, timeout_ms: int | None = None) -> dict:
+    """kv_transfer_params for one leg."""
+    peer_key = "prefill_engine_id" if role == "decode" else "decode_engine_id"
+    params: dict = {"role": role, "transfer_id": transfer_id, "attempt": attempt, peer_key: peer_engine_id}
+    if timeout_ms is not None:
+        params["timeout_ms"] = timeout_ms
+    return {"kvpush": params}
+
+
+def new_transfer_id() -> str:
+    return "xfer-" + uuid.uuid4().hex
+
+
+@dataclass
+class Dispatch:
+    """The outcome of both legs of one transfer."""
+
+    transfer_id: str
+    prefill: Completion | Exception
+    decode: Completion | Exception
+    seconds: float
+
+
+def dispatch(prefill_url: str, prefill_id: str, decode_url: str, decode_id: str, prompt: str | Sequence[int],
+             max_tokens: int, *, transfer_id: str | None = None, timeout_ms: int | None = None,
+             http_timeout: float = 120.0) -> Dispatch:
+    """Sends the P leg (max_tokens=1) and the D leg at once and waits for both."""
+    transfer_id = transfer_id or new_transfer_id()
+    p_params = transfer_params("prefill", transfer_id, decode_id, timeout_ms=timeout_ms)
+    d_params = transfer_params("decode", transfer_id, prefill_id, timeout_ms=timeout_ms)
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        p = pool.submit(completions, prefill_url, prompt, 1, kv_transfer_params=p_params, timeout=http_timeout)
+        d = pool.submit(completions, decode_url, prompt, max_tokens, kv_transfer_params=d_params, timeout=http_timeout)
+        results = []
+        for future in (p, d):
+            try:
+                results.append(future.result())
+            except Exception as exc:  # the caller asserts on what failed
+                results.append(exc)
+    return Dispatch(transfer_id, results[0], results[1], time.monotonic() - t0)
+
+
+def get_transfer(control_plane: ControlPlaneHandle, transfer_id: str, attempt: int = 0):
+    """The broker's record of a transfer (the latest attempt by default)."""
+    from kvpush.client import BrokerClient, ClientConfig
+    from kvpush.rendezvous.v1 import rendezvous_service_pb2 as pb
+
+    async def fetch():
+        async with BrokerClient(ClientConfig(target=control_plane.address, token=control_plane.token)) as broker:
+            return (await broker.get_transfer(pb.GetTransferRequest(transfer_id=transfer_id, attempt=attempt))).transfer
+
+    return asyncio.run(fetch())
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    """Polls predicate() until it returns a truthy value; raises TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached within {timeout:g} s (last: {value!r})")
+        time.sleep(interval)

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+"""RemoteEngineDirectory mirrors a registrar over WatchEngines and reports lost ranks, also across a resync."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.services.broker.remote_directory import RESYNC_REASON, RemoteEngineDirectory
+from kvpush.services.common import sample_engines as sample
+from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.engine_tokens import EngineTokens
+from kvpush.services.registrar.core import RemovalReason
+
+from conftest import TOKEN, WAIT_S, FakeEngine, bearer, running_control_plane
+
+
+async def until(condition, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_mirror_follows_registrations_and_removals(tmp_path):
+    key_file = tmp_path / "key"
+    async with running_control_plane(ServerConfig(listen="127.0.0.1:0", engine_token_key_file=key_file)) as plane:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+            prefill = await FakeEngine(channel, "prefill-0", sample.PREFILL).register()
+            tokens = EngineTokens(bytes.fromhex(key_file.read_text().strip()))
+            directory = RemoteEngineDirectory(reg_grpc.RegistrarServiceStub(channel), tokens, metadata=bearer(TOKEN), rpc_timeout_s=WAIT_S)
+            removed: list[tuple[str, str, str]] = []
+            directory.add_removal_listener(lambda *args: removed.append(args))
+            follower = asyncio.create_task(directory.run())
+            try:
+                await asyncio.wait_for(directory.synced.wait(), WAIT_S)
+                assert directory.get_engine("prefill-0").state == reg_pb.ENGINE_STATE_READY
+                assert directory.check_engine_token("prefill-0", prefill.token)
+                assert not directory.check_engine_token("prefill-0", "prefill-0/forged")
+
+                decode = await FakeEngine(channel, "decode-0", sample.DECODE, tp_size=2).register()
+                await until(lambda: directory.get_engine("decode-0") is not None and directory.get_engine("decode-0").state == reg_pb.ENGINE_STATE_READY)
+                before = directory.get_engine("decode-0")
+                await decode.registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=decode.leases[1]), metadata=decode.metadata, timeout=WAIT_S)
+                await until(lambda: removed)
+                assert removed == [("decode-0", "inc-1", RemovalReason.DEREGISTERED)]
+                assert directory.get_engine("decode-0") is not before  # a new snapshot object
+                assert directory.get_engine("decode-0").state == reg_pb.ENGINE_STATE_PARTIAL
+
+                # While the mirror is not following, an engine goes away; the resync reports it.
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
+                plane.registrar.end_leases(prefill.leases, RemovalReason.LEASE_EXPIRED)
+                removed.clear()
+                directory.synced.clear()
+                follower = asyncio.create_task(directory.run())
+                await asyncio.wait_for(directory.synced.wait(), WAIT_S)
+                assert removed == [("prefill-0", "inc-1", RESYNC_REASON)]
+                assert directory.get_engine("prefill-0") is None
+            finally:
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)

@@ -1,0 +1,98 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""In-process stand-ins for vLLM's OpenAI server (aiohttp on 127.0.0.1:0) that record what the router sent them.
+
+A fake prefill engine answers one token (and, like upstream's NixlConnector
+in pull mode, kv_transfer_params naming itself); a fake decode engine
+answers a fixed text, streamed as one SSE chunk per word when asked. Each
+fake can be told to fail: answer an HTTP error, hang, or (decode) break off
+its stream after the first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+from aiohttp import web
+
+DECODE_WORDS = ["alpha", "beta", "gamma", "delta"]
+
+
+@dataclasses.dataclass
+class Received:
+    """One request a fake engine received."""
+
+    path: str
+    headers: dict[str, str]
+    body: dict[str, Any]
+    at: float  # loop time
+
+
+class FakeEngine:
+    """A fake vLLM server of one role; `behaviour` is "ok", "error:<status>", "hang" or (decode) "break"."""
+
+    def __init__(self, role: str, engine_id: str, behaviour: str = "ok", delay_s: float = 0.0):
+        self.role = role
+        self.engine_id = engine_id
+        self.behaviour = behaviour
+        self.delay_s = delay_s
+        self.received: list[Received] = []
+        self.disconnected = 0  # requests whose client went away before the answer
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> FakeEngine:
+        app = web.Application()
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            app.router.add_post(path, self._complete)
+        app.router.add_get("/health", lambda _: web.Response(text=""))
+        app.router.add_get("/v1/models", lambda _: web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]}))
+        self._runner = web.AppRunner(app, handler_cancellation=True)  # a client going away cancels the handler, as in vLLM
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, dict(request.headers), body, asyncio.get_running_loop().time()))
+        try:
+            await asyncio.sleep(self.delay_s)
+            if self.behaviour == "hang":
+                await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.disconnected += 1
+            raise
+        if self.behaviour.startswith("error:"):
+            status = int(self.behaviour.split(":")[1])
+            return web.json_response({"error": {"message": f"{self.engine_id} says no", "type": "Error", "code": status}}, status=status)
+        if self.role == "prefill":
+            answer: dict[str, Any] = {"id": "cmpl-p", "object": "text_completion", "choices": [{"index": 0, "text": "p", "finish_reason": "length"}]}
+            if "do_remote_decode" in body.get("kv_transfer_params", {}):
+                answer["kv_transfer_params"] = {"do_remote_prefill": True, "remote_engine_id": self.engine_id, "remote_block_ids": [1, 2]}
+            return web.json_response(answer)
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-d", "object": "text_completion", "choices": [{"index": 0, "text": " ".join(DECODE_WORDS), "finish_reason": "length"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for index, word in enumerate(DECODE_WORDS):
+            chunk = {"id": "cmpl-d", "object": "text_completion", "choices": [{"index": 0, "text": word, "finish_reason": None}]}
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if self.behaviour == "break" and index == 0:
+                request.transport.close()
+                return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def decode_stream_text() -> str:
+    """What a fake decode engine streams in full, as its chunks' texts joined."""
+    return "".join(DECODE_WORDS)

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Service configs: flags, KVPUSH_* environment fallbacks, validation, secrets on disk."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import pytest
+
+from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.common.config import ServerConfig
+from kvpush.services.registrar.config import RegistrarConfig
+
+
+def parse(monkeypatch, env: dict[str, str], argv: list[str]) -> argparse.Namespace:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    ServerConfig.add_arguments(parser)
+    RegistrarConfig.add_arguments(parser)
+    BrokerConfig.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_flags_win_over_the_environment_which_wins_over_defaults(monkeypatch):
+    args = parse(monkeypatch, {"KVPUSH_LISTEN": "127.0.0.1:7000", "KVPUSH_LEASE_TTL_S": "7", "KVPUSH_RETENTION_S": "5"}, ["--retention", "9"])
+    server, registrar, broker = ServerConfig.from_args(args), RegistrarConfig.from_args(args), BrokerConfig.from_args(args)
+    assert server.listen == "127.0.0.1:7000"
+    assert registrar.default_lease_ttl_s == 7.0
+    assert broker.retention_s == 9.0
+    assert server.metrics_port is None and server.metrics_host == "127.0.0.1"
+
+
+def test_a_malformed_environment_value_is_reported(monkeypatch):
+    with pytest.raises(SystemExit, match="KVPUSH_METRICS_PORT"):
+        parse(monkeypatch, {"KVPUSH_METRICS_PORT": "many"}, [])
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: RegistrarConfig(default_lease_ttl_s=100.0, max_lease_ttl_s=60.0),
+        lambda: BrokerConfig(max_timeout_s=0),
+        lambda: ServerConfig(tls_cert=pathlib.Path("cert.pem")),
+    ],
+    ids=["lease bounds", "timeout bound", "partial TLS"],
+)
+def test_inconsistent_settings_are_refused(build):
+    with pytest.raises(ValueError):
+        build()
+
+
+def test_a_missing_token_is_generated_once_and_kept_private(tmp_path):
+    config = ServerConfig(token_file=tmp_path / "token", engine_token_key_file=tmp_path / "key")
+    token = config.resolve_token()
+    assert config.resolve_token() == token
+    assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600
+    key = config.resolve_engine_token_key(create=True)
+    assert config.resolve_engine_token_key(create=False) == key
+    assert ServerConfig(token="given", token_file=tmp_path / "token").resolve_token() == "given"
+    with pytest.raises(ValueError):
+        ServerConfig(engine_token_key_file=tmp_path / "absent").resolve_engine_token_key(create=False)
