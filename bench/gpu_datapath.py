@@ -147,10 +147,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class PeerFailed(RuntimeError):
+    """The other process reported an exception."""
+
+
 class Link:
     """The pipe between P and D; every wait is bounded and keeps the local NIXL agent progressing."""
 
-    def __init__(self, conn, agent: KvAgent | None, timeout_s: float):
+    def __init__(self, conn, agent: KvAgent, timeout_s: float):
         self.conn = conn
         self.agent = agent
         self.timeout_s = timeout_s
@@ -168,15 +172,14 @@ class Link:
             time.sleep(IDLE_SLEEP_S)
         message = self.conn.recv()
         if message[0] == "error":
-            raise RuntimeError(f"the other process failed:\n{message[1]}")
+            raise PeerFailed(f"the other process failed:\n{message[1]}")
         if message[0] != kind:
             raise RuntimeError(f"expected a {kind!r} message, got {message[0]!r}")
         return message[1:]
 
     def progress(self) -> None:
-        if self.agent is not None:
-            for sender, messages in self.agent.notifications().items():
-                self.stray_notifications += [(sender, m) for m in messages if m != HELLO]
+        for sender, messages in self.agent.notifications().items():
+            self.stray_notifications += [(sender, m) for m in messages if m != HELLO]
 
 
 # ---- D: the consumer process ------------------------------------------------------------
@@ -257,6 +260,8 @@ def wait_for_notification(link: Link, notif: bytes) -> int:
 
 @dataclass
 class Sample:
+    """One timed transfer, in milliseconds."""
+
     plan_ms: float
     post_ms: float
     done_ms: float  # from just before post_write until the WRITE reads DONE on P
@@ -275,14 +280,13 @@ def block_ids(kind: str, blocks: int, num_blocks: int, rng: np.random.Generator)
 class Producer:
     """P's cache and agent, connected to D."""
 
-    def __init__(self, link: Link, geometry: Geometry, device: torch.device, timeout_s: float):
+    def __init__(self, conn, geometry: Geometry, device: torch.device, timeout_s: float):
         self.geometry, self.device, self.timeout_s = geometry, device, timeout_s
         self.cache = allocate_cache(geometry, device)
         self.bits = self.cache.view(torch.int16)
         self.planes = cache_planes(self.cache, geometry)
         self.agent = make_agent(f"{NOTIF_PREFIX}-p-{os.getpid()}", self.cache)
-        link.agent = self.agent
-        self.link = link
+        self.link = link = Link(conn, self.agent, timeout_s)
         peer_name, peer_metadata, self.peer_planes = link.receive("hello")
         started = time.monotonic_ns()
         self.peer = self.agent.add_peer(peer_metadata)
@@ -293,6 +297,8 @@ class Producer:
             raise RuntimeError(f"D's metadata names agent {self.peer!r}, D says it is {peer_name!r}")
         try:
             self.ipc_target, self.ipc_error = link.receive("ipc")
+        except PeerFailed:
+            raise
         except (RuntimeError, OSError) as exc:  # D's buffer could not be mapped here
             self.ipc_target, self.ipc_error = None, repr(exc)
         self.transfers = 0
@@ -444,7 +450,7 @@ def run(args: argparse.Namespace, save) -> dict:
     consumer = context.Process(target=consumer_main, args=(d_end, options), daemon=True)
     consumer.start()
     try:
-        producer = Producer(Link(p_end, None, args.timeout), geometry, device, args.timeout)
+        producer = Producer(p_end, geometry, device, args.timeout)
         result.update(connect_ms=producer.connect_ms, ipc_error=producer.ipc_error)
         result["copies"] = time_copies(device, sizes, producer.ipc_target, args.copy_reps, args.copy_warmup)
         save(result)

@@ -20,21 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
+from kvpush.telemetry import configure_tracing
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-
-def _setup_tracing(config: ConnectorConfig) -> None:
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-
-    from kvpush.telemetry import setup_tracing
-
-    if not isinstance(trace.get_tracer_provider(), TracerProvider):
-        setup_tracing(f"kvpush-{config.role}")
 
 
 class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
@@ -43,7 +34,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
-        _setup_tracing(self.config)
+        configure_tracing(f"kvpush-{self.config.role}")
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:

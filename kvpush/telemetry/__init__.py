@@ -13,7 +13,7 @@ from kvpush.telemetry.context import (
 )
 from kvpush.telemetry.file_exporter import OtlpJsonLinesFileExporter, encode_json_line
 from kvpush.telemetry.reader import read_spans
-from kvpush.telemetry.tracing import TRACES_FILE_ENV, setup_tracing
+from kvpush.telemetry.tracing import TRACES_FILE_ENV, configure_tracing, setup_tracing
 
 __all__ = [
     "ATTR_ATTEMPT",
@@ -26,6 +26,7 @@ __all__ = [
     "extract_context",
     "inject_traceparent",
     "read_spans",
+    "configure_tracing",
     "setup_tracing",
     "span_attributes",
 ]

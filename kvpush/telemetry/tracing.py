@@ -106,3 +106,19 @@ def setup_tracing(service_name: str, *, set_global: bool = True) -> TracerProvid
     if set_global:
         trace.set_tracer_provider(provider)
     return provider
+
+
+def configure_tracing(service_name: str) -> bool:
+    """Installs the SDK as the global provider only when the environment selects an exporter.
+
+    Without one, spans stay no-ops: recording spans nobody exports costs
+    about as much as a control-plane RPC. Trace context still propagates.
+    Returns whether tracing was installed; a second call in the same process
+    leaves the first provider in place.
+    """
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or not exporter_names():
+        return False
+    if isinstance(trace.get_tracer_provider(), TracerProvider):
+        return True
+    setup_tracing(service_name)
+    return True

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -21,8 +20,6 @@ from prometheus_client import CollectorRegistry, start_http_server
 from kvpush.services.common.auth import TokenAuthInterceptor
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.tracing_interceptor import TracingInterceptor
-from kvpush.telemetry import setup_tracing
-from kvpush.telemetry.tracing import exporter_names
 
 logger = logging.getLogger(__name__)
 
@@ -214,17 +211,6 @@ async def serve_until_signalled(
             await result
     logger.info("stopped")
     return 1 if failed else 0
-
-
-def configure_tracing(service_name: str) -> None:
-    """Installs the OpenTelemetry SDK when the OTEL_* environment selects an exporter.
-
-    Without one, spans stay no-ops: recording spans nobody exports costs
-    about as much as the RPC itself. The callers' trace context still passes
-    through (see TracingInterceptor).
-    """
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() != "true" and exporter_names():
-        setup_tracing(service_name)
 
 
 def run_event_loop(main: Awaitable[int]) -> int:

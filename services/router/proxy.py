@@ -90,11 +90,11 @@ class LegFailure(Exception):
         self.retryable = retryable
         self.engine_body = engine_body
 
-    def response(self) -> web.Response:
+    def response(self, transfer_id: str) -> web.Response:
         if self.engine_body is not None and 400 <= self.status < 500:
             # The request itself was at fault: the engine's own answer says best why.
             return web.Response(status=self.status, body=self.engine_body, content_type="application/json")
-        return error_response(self.status, str(self), leg=self.leg, engine_id=self.endpoint.engine_id)
+        return error_response(self.status, str(self), leg=self.leg, engine_id=self.endpoint.engine_id, transfer_id=transfer_id)
 
 
 def _failure_from_exception(leg: str, endpoint: Endpoint, exc: BaseException, limit_s: float) -> LegFailure:
@@ -392,7 +392,7 @@ class Router:
                 continue
             return await self._respond(request, ctx, opened)
         if failure is not None:
-            return failure.response()
+            return failure.response(ctx.transfer_id)
         role = "prefill" if p_endpoint is None else "decode"
         return error_response(503, f"no {role} engine available", leg=role)
 
@@ -548,7 +548,7 @@ class Router:
                 error = f"decode leg to {decode.endpoint} broke off after output started: {type(exc).__name__}: {exc}"
                 self.metrics.leg_failures.labels(DECODE, "after_output").inc()
                 logger.warning("request %s: %s", ctx.client_request_id, error)
-                event = error_body(502, error, leg=DECODE, engine_id=decode.endpoint.engine_id)
+                event = error_body(502, error, leg=DECODE, engine_id=decode.endpoint.engine_id, transfer_id=ctx.transfer_id)
                 await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
                 ctx.span.set_status(Status(StatusCode.ERROR, error))
             decode.close(abort=error is not None, error=error)

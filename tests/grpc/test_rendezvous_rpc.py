@@ -131,7 +131,7 @@ async def test_a_deadline_ends_the_attempt_on_time(engines):
     event = (await read(events)).event
     waited = time.monotonic() - started
     assert event.reason == tr_pb.END_REASON_REGISTRATION_DEADLINE_EXCEEDED
-    assert 0.29 <= waited < 1.0
+    assert 0.29 <= waited < 2.0  # at the deadline, not at some polling interval
     events.cancel()
 
 

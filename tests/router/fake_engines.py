@@ -26,7 +26,7 @@ class Received:
     """One request a fake engine received."""
 
     path: str
-    headers: dict[str, str]
+    headers: dict[str, str]  # names lowercased
     body: dict[str, Any]
     at: float  # loop time
 
@@ -48,8 +48,8 @@ class FakeEngine:
         app = web.Application()
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._complete)
-        app.router.add_get("/health", lambda _: web.Response(text=""))
-        app.router.add_get("/v1/models", lambda _: web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]}))
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handler_cancellation=True)  # a client going away cancels the handler, as in vLLM
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -60,9 +60,15 @@ class FakeEngine:
     async def stop(self) -> None:
         await self._runner.cleanup()
 
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _models(self, _request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.received.append(Received(request.path, dict(request.headers), body, asyncio.get_running_loop().time()))
+        self.received.append(Received(request.path, {k.lower(): v for k, v in request.headers.items()}, body, asyncio.get_running_loop().time()))
         try:
             await asyncio.sleep(self.delay_s)
             if self.behaviour == "hang":

@@ -198,11 +198,14 @@ async def test_prefill_refusing_connections_is_retried_on_another_prefill_engine
     assert status == 200
     texts, errors = sse_texts(body)
     assert "".join(texts) == decode_stream_text() and not errors
-    first, second = decode.received
-    assert first.body["kv_transfer_params"]["kvpush"]["prefill_engine_id"] == "prefill-dead"
-    assert second.body["kv_transfer_params"]["kvpush"] == {**first.body["kv_transfer_params"]["kvpush"], "attempt": 2, "prefill_engine_id": "prefill-1", "traceparent": second.headers["traceparent"]}
-    assert decode.disconnected == 1, "attempt 1's decode leg was abandoned"
-    transfer_id = first.body["kv_transfer_params"]["kvpush"]["transfer_id"]
+    # Attempt 1's decode leg may not have reached the engine before the
+    # refused connection ended the attempt; if it did, it was abandoned.
+    *abandoned, served = decode.received
+    params = served.body["kv_transfer_params"]["kvpush"]
+    assert (params["attempt"], params["prefill_engine_id"], params["traceparent"]) == (2, "prefill-1", served.headers["traceparent"])
+    assert decode.disconnected == len(abandoned) <= 1
+    assert all(leg.body["kv_transfer_params"]["kvpush"]["prefill_engine_id"] == "prefill-dead" for leg in abandoned)
+    transfer_id = params["transfer_id"]
     assert await transfer_state(plane, transfer_id, 1) == transfer_pb2.TRANSFER_STATE_CANCELLED
     request_span = next(s for s in exporter.get_finished_spans() if s.name == "router.request")
     assert [e.name for e in request_span.events] == ["leg_failed", "retry", "first_token"]
@@ -301,10 +304,10 @@ async def test_upstream_push_mode_matches_legs_by_request_id(spans):
         await stop(prefill, decode)
     assert status == 200
     (p_leg,), (d_leg,) = prefill.received, decode.received
-    assert p_leg.headers["X-Request-Id"] == d_leg.headers["X-Request-Id"]
+    assert p_leg.headers["x-request-id"] == d_leg.headers["x-request-id"]
     params = d_leg.body["kv_transfer_params"]
     assert (params["remote_engine_id"], params["remote_host"], params["remote_port"], params["tp_size"]) == ("prefill-engine-001", "10.1.2.3", 5601, 2)
-    assert params["remote_request_id"] == d_leg.headers["X-Request-Id"]
+    assert params["remote_request_id"] == d_leg.headers["x-request-id"]
     assert p_leg.body["kv_transfer_params"]["do_remote_decode"] is True
     assert p_leg.body["kv_transfer_params"]["transfer_id"] == params["transfer_id"]
 
