@@ -38,8 +38,10 @@ class ConnectorConfig:
     startup_timeout_s: float = 60.0  # (startup_timeout_s) how long registration may take at engine start
 
     @classmethod
-    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> "ConnectorConfig":
+    def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorConfig:
         extra: dict = dict(kv_transfer_config.kv_connector_extra_config or {})
+        if "token" in extra:
+            raise ConfigError("kvpush: pass the shared token via token_file or $KVPUSH_TOKEN, not in the engine's command line")
         known = {f.name for f in fields(cls)} - {"engine_id", "role", "token"} | {"token_file"}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -55,8 +57,6 @@ class ConnectorConfig:
             raise ConfigError("kvpush: kv_connector_extra_config.control_plane (or $KVPUSH_CONTROL_PLANE) must be host:port")
         token = os.environ.get("KVPUSH_TOKEN", "")
         token_file = extra.pop("token_file", os.environ.get("KVPUSH_TOKEN_FILE", ""))
-        if "token" in extra:
-            raise ConfigError("kvpush: pass the shared token via token_file or $KVPUSH_TOKEN, not in the engine's command line")
         if token_file:
             try:
                 token = open(token_file, encoding="utf-8").read().strip()

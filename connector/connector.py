@@ -90,7 +90,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side -----------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> KvpushHandshake | None:

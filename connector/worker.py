@@ -20,12 +20,12 @@ import torch
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.consumer import Consumer
 from kvpush.connector.control import ControlSession
+from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
 from kvpush.connector.producer import LocalLayout, Producer
 from kvpush.connector.spans import Spans
 from kvpush.engine.v1 import engine_pb2
-from kvpush.layout.geometry import TORCH_DTYPES, describe_layer
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 
@@ -132,43 +132,18 @@ class KvpushWorker:
         backends = {b.get_name() for b in get_current_attn_backends(self.vllm_config)}
         if len(backends) != 1:
             raise ValueError(f"kvpush: one attention backend expected, found {sorted(backends)}")
-        backend = backends.pop()
-        model_config = self.vllm_config.model_config
-        layout = engine_pb2.KvLayout(memory_kind=engine_pb2.MEMORY_KIND_DRAM)
-        total_heads = model_config.get_total_num_kv_heads()
-        ranges: list[MemoryRange] = []
-        device = 0
-        layer_names: list[tuple[int, str, int]] = []
+        layers, groups, specs = [], [], []
         for group_index, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
-            if type(spec).__name__ not in ("FullAttentionSpec",):
+            if type(spec).__name__ != "FullAttentionSpec":
                 raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; only full attention moves in v1")
-            layout.groups.add(group_index=group_index, kind=engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION,
-                              block_size=spec.block_size, num_blocks=self.kv_cache_config.num_blocks)
-            layer_names += [(extract_layer_index(n), n, group_index) for n in group.layer_names]
-            dtype = TORCH_DTYPES.get(str(spec.dtype))
-            if dtype is None:
-                raise ValueError(f"kvpush: KV cache dtype {spec.dtype} is not supported")
-            layout.dtype, layout.head_size, layout.num_local_heads = dtype, spec.head_size, spec.num_kv_heads
-        layout.total_kv_heads = total_heads
-        layout.first_head = (self.tp_rank // (self.tp_size // total_heads)) if self.tp_size >= total_heads else self.tp_rank * layout.num_local_heads
-        layout.num_layers = len(layer_names)
-        for layer_index, name, group_index in sorted(layer_names):
-            tensor = kv_caches[name]
-            if tensor.is_cuda:
-                layout.memory_kind = engine_pb2.MEMORY_KIND_VRAM
-                device = tensor.device.index or 0
-            block_size = layout.groups[group_index].block_size
-            for plane in describe_layer(backend, tuple(tensor.shape), tuple(tensor.stride()), tensor.data_ptr(), tensor.element_size(),
-                                        num_blocks=self.kv_cache_config.num_blocks, block_size=block_size,
-                                        num_local_heads=layout.num_local_heads, head_size=layout.head_size, layer_index=layer_index):
-                layout.regions.add(layer_name=name, layer_index=layer_index, group_index=group_index, plane=plane.plane,
-                                   base_address=plane.base, block_stride_bytes=plane.block_stride,
-                                   head_stride_bytes=plane.head_stride, token_stride_bytes=plane.token_stride,
-                                   channel_stride_bytes=plane.channel_stride, device_id=device)
-            storage = tensor.untyped_storage()
-            ranges.append(MemoryRange(storage.data_ptr(), storage.nbytes(), device))
-        return layout, ranges, device
+            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks))
+            specs.append(spec)
+            layers += [LayerTensor(extract_layer_index(n), n, group_index, kv_caches[n]) for n in group.layer_names]
+        spec = specs[0]
+        return build_layout(backends.pop(), layers, groups, dtype=str(spec.dtype), head_size=spec.head_size,
+                            total_kv_heads=self.vllm_config.model_config.get_total_num_kv_heads(),
+                            num_local_heads=spec.num_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def handshake(self) -> KvpushHandshake:
         return KvpushHandshake(engine_token=self.engine_token, incarnation=self.incarnation)

@@ -537,28 +537,38 @@ class Router:
                 return web.Response(status=200, body=decode.buffered[0], content_type="application/json")
             response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
-            for line in decode.buffered:
-                await response.write(line)
-            self._record_first_output(ctx)
-            error = None
+            finished = False  # the [DONE] marker went out: the client has the whole answer
             try:
-                while line := await decode.next_line():
+                for line in decode.buffered:
                     await response.write(line)
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                error = f"decode leg to {decode.endpoint} broke off after output started: {type(exc).__name__}: {exc}"
-                self.metrics.leg_failures.labels(DECODE, "after_output").inc()
-                logger.warning("request %s: %s", ctx.client_request_id, error)
-                event = error_body(502, error, leg=DECODE, engine_id=decode.endpoint.engine_id, transfer_id=ctx.transfer_id)
-                await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
-                ctx.span.set_status(Status(StatusCode.ERROR, error))
-            decode.close(abort=error is not None, error=error)
-            await response.write_eof()
+                self._record_first_output(ctx)
+                while True:
+                    try:
+                        line = await decode.next_line()
+                    except (TimeoutError, aiohttp.ClientError) as exc:
+                        error = f"decode leg to {decode.endpoint} broke off after output started: {type(exc).__name__}: {exc}"
+                        self.metrics.leg_failures.labels(DECODE, "after_output").inc()
+                        logger.warning("request %s: %s", ctx.client_request_id, error)
+                        ctx.span.set_status(Status(StatusCode.ERROR, error))
+                        decode.close(abort=True, error=error)
+                        event = error_body(502, error, leg=DECODE, engine_id=decode.endpoint.engine_id, transfer_id=ctx.transfer_id)
+                        await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+                        break
+                    if not line:
+                        break
+                    await response.write(line)
+                    finished = finished or line.startswith(b"data: [DONE]")
+                decode.close(abort=False)
+                await response.write_eof()
+            except ConnectionResetError:
+                # A client that got [DONE] may hang up before the stream's last bytes: that is no failure.
+                if finished:
+                    decode.close(abort=False)
+                else:
+                    logger.info("request %s: the client went away", ctx.client_request_id)
+                    ctx.span.set_status(Status(StatusCode.ERROR, "client went away"))
+                    decode.close(abort=True, error="client went away")
             return response
-        except ConnectionResetError:
-            logger.info("request %s: the client went away", ctx.client_request_id)
-            ctx.span.set_status(Status(StatusCode.ERROR, "client went away"))
-            decode.close(abort=True, error="client went away")
-            raise
         finally:
             decode.close(abort=True, error="abandoned")
             await self._settle_prefill(ctx, opened.prefill)

@@ -31,7 +31,15 @@ from tests.e2e.harness import (
     reference_run,
     start_vllm_server,
 )
-from tests.e2e.kvpush_stack import dispatch, get_transfer, kvpush_transfer_config, new_transfer_id, start_control_plane, transfer_params, wait_for
+from tests.e2e.kvpush_stack import (
+    dispatch,
+    get_transfer,
+    kvpush_transfer_config,
+    new_transfer_id,
+    start_control_plane,
+    transfer_params,
+    wait_for,
+)
 
 pytestmark = pytest.mark.engine
 

@@ -105,7 +105,6 @@ def test_plan_refuses_tokens_outside_the_blocks():
 
 def test_describe_cpu_layer_matches_the_cpu_kernel_view():
     import torch
-
     import vllm._custom_ops as ops
 
     blocks, heads, bs, hd, tokens = 3, 2, 32, 32, 40

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Describes KV cache tensors as a KvLayout plus the memory NIXL must register.
+
+vLLM-free, so the data-path benchmark and the tests build layouts from plain
+tensors the same way the worker does from vLLM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.connector.nixl_agent import MemoryRange
+from kvpush.engine.v1 import engine_pb2
+from kvpush.layout.geometry import TORCH_DTYPES, describe_layer
+
+
+@dataclass(frozen=True)
+class LayerTensor:
+    """One attention layer's KV cache tensor ([blocks, heads, block_size, 2 * head_size])."""
+
+    layer_index: int
+    name: str
+    group_index: int
+    tensor: Any  # torch.Tensor
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One KV cache group: its block size and block count."""
+
+    block_size: int
+    num_blocks: int
+
+
+def first_head_of(tp_rank: int, tp_size: int, total_heads: int, local_heads: int) -> int:
+    """The first global KV head a TP rank holds (heads replicate when TP exceeds their count)."""
+    if tp_size >= total_heads:
+        return tp_rank // (tp_size // total_heads)
+    return tp_rank * local_heads
+
+
+def build_layout(
+    backend: str,
+    layers: Sequence[LayerTensor],
+    groups: Sequence[GroupSpec],
+    *,
+    dtype: str,
+    head_size: int,
+    total_kv_heads: int,
+    num_local_heads: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> tuple[engine_pb2.KvLayout, list[MemoryRange], int]:
+    """(layout, memory ranges to register, device index)."""
+    kv_dtype = TORCH_DTYPES.get(dtype)
+    if kv_dtype is None:
+        raise ValueError(f"kvpush: KV cache dtype {dtype} is not supported")
+    layout = engine_pb2.KvLayout(
+        dtype=kv_dtype,
+        head_size=head_size,
+        total_kv_heads=total_kv_heads,
+        num_local_heads=num_local_heads,
+        first_head=first_head_of(tp_rank, tp_size, total_kv_heads, num_local_heads),
+        num_layers=len(layers),
+        memory_kind=engine_pb2.MEMORY_KIND_DRAM,
+    )
+    for index, group in enumerate(groups):
+        layout.groups.add(group_index=index, kind=engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION,
+                          block_size=group.block_size, num_blocks=group.num_blocks)
+    ranges: list[MemoryRange] = []
+    device = 0
+    for layer in sorted(layers, key=lambda layer: layer.layer_index):
+        tensor = layer.tensor
+        if tensor.is_cuda:
+            layout.memory_kind = engine_pb2.MEMORY_KIND_VRAM
+            device = tensor.device.index or 0
+        group = groups[layer.group_index]
+        for plane in describe_layer(backend, tuple(tensor.shape), tuple(tensor.stride()), tensor.data_ptr(), tensor.element_size(),
+                                    num_blocks=group.num_blocks, block_size=group.block_size,
+                                    num_local_heads=num_local_heads, head_size=head_size, layer_index=layer.layer_index):
+            layout.regions.add(layer_name=layer.name, layer_index=layer.layer_index, group_index=layer.group_index,
+                               plane=plane.plane, base_address=plane.base, block_stride_bytes=plane.block_stride,
+                               head_stride_bytes=plane.head_stride, token_stride_bytes=plane.token_stride,
+                               channel_stride_bytes=plane.channel_stride, device_id=device)
+        storage = tensor.untyped_storage()
+        ranges.append(MemoryRange(storage.data_ptr(), storage.nbytes(), device))
+    return layout, ranges, device
