@@ -14,12 +14,14 @@ randomly permuted ones (a fragmented pool), P fills its blocks with seeded
 random bits, builds the plan with kvpush's `build_plan`, posts ONE
 `KvAgent.post_write` with a notification and polls it to DONE; D, which
 poisoned its whole cache beforehand, spins on `notifications()` until it
-arrives, then checks every destination block of every layer against the same
-seeded bits and every other block for stray writes. Paths compared on the same
-bytes: the merged plan (kvpush's), the plan split into one descriptor per
-block-sized row run (no merging), and a torch `copy_` of one contiguous buffer
-of the same size, within P and, on CUDA, into a buffer of D mapped through
-CUDA IPC. Prints a table and writes every sample to --out as JSON.
+arrives, then checks every transferred token of every layer against the same
+seeded bits and every other byte of its cache for stray writes. Paths compared
+on the same bytes: the merged plan (kvpush's), the plan split into one
+descriptor per block-sized row run (no merging), and a torch `copy_` of one
+contiguous buffer of the same size, within P and, on CUDA, into a buffer of D
+mapped through CUDA IPC. Prints a table and writes every sample to --out as
+JSON (after every cell, so a run that breaks off keeps what it measured).
+docs/gpu-datapath.md has the H200 results and the commands.
 
     python bench/gpu_datapath.py --out runs/gpu_datapath.json                      # H200
     python bench/gpu_datapath.py --device cpu --tokens 64,256 --layers 4 --out x.json  # CPU DRAM
@@ -66,6 +68,7 @@ class Geometry:
     block_size: int
     num_blocks: int
     element: int = 2  # bf16
+    block_major: bool = False  # one allocation [blocks, layers, ...]: a block's pages of all layers side by side
 
     @property
     def page_bytes(self) -> int:
@@ -83,9 +86,17 @@ class Geometry:
 
 
 def allocate_cache(geometry: Geometry, device: torch.device) -> torch.Tensor:
-    """[layers, num_blocks, heads, block_size, 2*head_size] bf16 in one allocation, as vLLM slices it per layer."""
-    shape = (geometry.layers, geometry.num_blocks, geometry.heads, geometry.block_size, 2 * geometry.head_size)
-    return torch.empty(shape, dtype=torch.bfloat16, device=device)
+    """A [layers, num_blocks, heads, block_size, 2*head_size] bf16 view of one allocation.
+
+    Layer-major (vLLM's default) stores each layer's blocks together;
+    block-major stores each block's pages of all layers together, so a
+    request on consecutive blocks is one contiguous region.
+    """
+    g = geometry
+    if g.block_major:
+        shape = (g.num_blocks, g.layers, g.heads, g.block_size, 2 * g.head_size)
+        return torch.empty(shape, dtype=torch.bfloat16, device=device).transpose(0, 1)
+    return torch.empty((g.layers, g.num_blocks, g.heads, g.block_size, 2 * g.head_size), dtype=torch.bfloat16, device=device)
 
 
 def cache_planes(cache: torch.Tensor, geometry: Geometry) -> list[Plane]:
@@ -305,8 +316,8 @@ class Producer:
 
     def plan(self, path: str, src_ids: np.ndarray, dst_ids: np.ndarray, tokens: int) -> Plan:
         g = self.geometry
-        src = Side(self.planes, g.element, g.head_size, g.block_size, 0, src_ids, 0)
-        dst = Side(self.peer_planes, g.element, g.head_size, g.block_size, 0, dst_ids, 0)
+        src = Side(self.planes, g.element, g.head_size, g.block_size, 0, src_ids, 0, g.heads)
+        dst = Side(self.peer_planes, g.element, g.head_size, g.block_size, 0, dst_ids, 0, g.heads)
         plan = build_plan(src, dst, (0, tokens), (0, g.heads))
         if path == "unmerged":
             plan = unmerged_plan(plan.src, plan.dst, plan.lengths, g.row_run_bytes)
@@ -436,7 +447,7 @@ def run(args: argparse.Namespace, save) -> dict:
     tokens_list = [int(t) for t in args.tokens.split(",")]
     block_counts = {t: -(-t // args.block_size) for t in tokens_list}
     num_blocks = args.num_blocks or 2 * max(block_counts.values()) + 1
-    geometry = Geometry(args.layers, args.kv_heads, args.head_size, args.block_size, num_blocks)
+    geometry = Geometry(args.layers, args.kv_heads, args.head_size, args.block_size, num_blocks, block_major=args.layout == "block-major")
     sizes = sorted({geometry.transfer_bytes(t) for t in tokens_list})
     rng = np.random.default_rng(args.seed)
     ids = {(t, kind): block_ids(kind, block_counts[t], num_blocks, rng) for t in tokens_list for kind in args.ids.split(",")}
@@ -519,6 +530,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=1, help="local KV heads per rank (Qwen3-32B at TP8: 1)")
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--layout", choices=("layer-major", "block-major"), default="layer-major",
+                        help="KV cache allocation: each layer's blocks together (vLLM's default) or each block's layers together")
     parser.add_argument("--num-blocks", type=int, default=0, help="blocks in each pool; default twice the largest request, plus block 0")
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--ids", default=",".join(ID_KINDS))

@@ -65,7 +65,7 @@ class LocalLayout:
 def _side(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int) -> Side:
     block_size = next(g.block_size for g in layout.groups if g.group_index == group)
     return Side(planes_from_layout(layout, group), dtype_bytes(layout), layout.head_size, block_size, layout.first_head,
-                np.asarray(block_ids, dtype=np.int64), first_token)
+                np.asarray(block_ids, dtype=np.int64), first_token, layout.num_local_heads)
 
 
 @dataclass

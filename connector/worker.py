@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
 import uuid
 from typing import Any
@@ -70,6 +71,10 @@ class KvpushWorker:
         self.kv_cache_config = kv_cache_config
         self.incarnation = incarnation_of(vllm_config, config.engine_id)
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks()
+        # The transfer thread shares the GIL with the engine thread, which
+        # rarely blocks: with CPython's default 5 ms switch interval a WRITE
+        # ready to post could wait that long behind the next engine step.
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
         if self.pp_size > 1:
             raise ValueError("kvpush: pipeline parallelism is not supported yet (pp_size > 1)")
         self.spans = Spans(config.engine_id, config.role)

@@ -30,6 +30,7 @@ class Side:
     first_local_head: int  # global index of the side's local head 0
     block_ids: np.ndarray  # block ids in token order, block 0 holding token first_token
     first_token: int  # token held at offset 0 of block_ids[0]; a multiple of block_size
+    num_local_heads: int = 0  # heads the side holds; 0 = unknown (no whole-page copies)
 
     @property
     def row(self) -> int:
@@ -68,13 +69,7 @@ def _token_runs(src: Side, dst: Side, t0: int, t1: int) -> tuple[np.ndarray, ...
     starts = starts[:-1]
     out = [starts, lengths]
     for side in (src, dst):
-        rel = starts - side.first_token
-        index = rel // side.block_size
-        if index.size and (index.min() < 0 or index.max() >= side.block_ids.size):
-            raise ValueError(
-                f"token range [{t0}, {t1}) is not covered by {side.block_ids.size} blocks of "
-                f"{side.block_size} from token {side.first_token}"
-            )
+        index = (starts - side.first_token) // side.block_size
         out.append(side.block_ids[index].astype(np.int64))
         out.append(starts % side.block_size)
     return tuple(out)
@@ -98,8 +93,35 @@ def build_plan(src: Side, dst: Side, token_range: tuple[int, int], head_range: t
         raise ValueError(f"element layout differs: {src.head_size}x{src.element} vs {dst.head_size}x{dst.element} bytes")
     if [(p.layer_index, p.plane) for p in src.planes] != [(p.layer_index, p.plane) for p in dst.planes]:
         raise ValueError("producer and consumer hold different (layer, plane) regions")
-    runs = _token_runs(src, dst, t0, t1)
+    for side in (src, dst):
+        first, last = (t0 - side.first_token) // side.block_size, -(-(t1 - side.first_token) // side.block_size)
+        if t0 < side.first_token or last > side.block_ids.size:
+            raise ValueError(
+                f"token range [{t0}, {t1}) is not covered by {side.block_ids.size} blocks of "
+                f"{side.block_size} from token {side.first_token}"
+            )
     heads = np.arange(h0, h1, dtype=np.int64)
+    parts = []
+    general = [(t0, t1)]
+    pages = _page_geometry(src, dst, h0, h1)
+    if pages is not None:
+        # Full blocks laid out identically on both sides move as whole pages;
+        # only the partial blocks at either end go token by token.
+        bs = src.block_size
+        full0, full1 = -(-t0 // bs) * bs, (t1 // bs) * bs
+        if full1 > full0:
+            parts.append(_page_chunks(src, dst, pages, full0, full1))
+            general = [(t0, full0), (full1, t1)]
+    for a, b in general:
+        if b > a:
+            parts.extend(_token_chunks(src, dst, _token_runs(src, dst, a, b), heads))
+    src_addr = np.concatenate([p[0] for p in parts])
+    dst_addr = np.concatenate([p[1] for p in parts])
+    lengths = np.concatenate([p[2] for p in parts])
+    return merge(src_addr, dst_addr, lengths)
+
+
+def _token_chunks(src: Side, dst: Side, runs, heads) -> list[tuple[np.ndarray, ...]]:
     # Planes whose channels are contiguous move token rows; channel-major
     # planes (the CPU backend's keys) move one token run per channel.
     groups: dict[tuple[bool, bool], list[int]] = {}
@@ -112,10 +134,63 @@ def build_plan(src: Side, dst: Side, token_range: tuple[int, int], head_range: t
         sp, dp = [src.planes[i] for i in index], [dst.planes[i] for i in index]
         chunk = _row_chunks if src_rows else _channel_chunks
         parts.append(chunk(src, dst, _strides(sp), _strides(dp), runs, heads))
-    src_addr = np.concatenate([p[0] for p in parts])
-    dst_addr = np.concatenate([p[1] for p in parts])
-    lengths = np.concatenate([p[2] for p in parts])
-    return merge(src_addr, dst_addr, lengths)
+    return parts
+
+
+def _layer_pages(side: Side) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple] | None:
+    """Per layer: where a block's page starts, its size and the block stride, when the layer's planes tile the page.
+
+    A page is every (plane, head, token) of one block of one layer. Returns
+    (page starts, page sizes, block strides, within-page signature) or None.
+    """
+    layers: dict[int, list[Plane]] = {}
+    for plane in side.planes:
+        layers.setdefault(plane.layer_index, []).append(plane)
+    starts, sizes, strides, signature = [], [], [], []
+    for _, planes in sorted(layers.items()):
+        stride = planes[0].block_stride
+        page = side.num_local_heads * side.block_size * side.row * len(planes)
+        start = min(p.base for p in planes)
+        end = max(
+            p.base + (side.num_local_heads - 1) * p.head_stride + (side.block_size - 1) * p.token_stride
+            + (side.head_size - 1) * p.channel_stride + side.element
+            for p in planes
+        )
+        # The planes hold exactly page bytes and span exactly page bytes: they tile it.
+        if any(p.block_stride != stride for p in planes) or end - start != page or stride < page:
+            return None
+        starts.append(start)
+        sizes.append(page)
+        strides.append(stride)
+        signature.append(tuple((p.plane, p.base - start, p.head_stride, p.token_stride, p.channel_stride) for p in planes))
+    return (np.array(starts, dtype=np.int64), np.array(sizes, dtype=np.int64), np.array(strides, dtype=np.int64),
+            tuple(signature))
+
+
+def _page_geometry(src: Side, dst: Side, h0: int, h1: int) -> tuple | None:
+    """Page geometry of both sides, if whole-page copies are exact for this route."""
+    if src.block_size != dst.block_size or not (src.num_local_heads and dst.num_local_heads):
+        return None
+    for side in (src, dst):
+        if (h0, h1) != (side.first_local_head, side.first_local_head + side.num_local_heads):
+            return None
+    src_pages, dst_pages = _layer_pages(src), _layer_pages(dst)
+    if src_pages is None or dst_pages is None or src_pages[3] != dst_pages[3]:
+        return None
+    return src_pages, dst_pages
+
+
+def _page_chunks(src: Side, dst: Side, pages, t0: int, t1: int) -> tuple[np.ndarray, ...]:
+    """One chunk per (layer, block) for the full blocks of [t0, t1)."""
+    (src_starts, sizes, src_strides, _), (dst_starts, _, dst_strides, _) = pages
+    bs = src.block_size
+    blocks = np.arange(t0 // bs, t1 // bs, dtype=np.int64)
+    src_blocks = src.block_ids[blocks - src.first_token // bs].astype(np.int64)
+    dst_blocks = dst.block_ids[blocks - dst.first_token // bs].astype(np.int64)
+    src_addr = src_starts[:, None] + src_blocks[None, :] * src_strides[:, None]
+    dst_addr = dst_starts[:, None] + dst_blocks[None, :] * dst_strides[:, None]
+    length = np.broadcast_to(sizes[:, None], src_addr.shape)
+    return src_addr.ravel(), dst_addr.ravel(), np.ascontiguousarray(length).ravel()
 
 
 # Broadcast axes: (plane, run, head).

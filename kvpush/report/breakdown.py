@@ -206,11 +206,14 @@ def _duration_ms(spans: list[dict[str, Any]]) -> float | None:
     return max(((s["end_ns"] - s["start_ns"]) / 1e6 for s in spans), default=None)
 
 
-def breakdown(spans: Iterable[dict[str, Any]]) -> Breakdown:
+def breakdown(spans: Iterable[dict[str, Any]], *, request_id_prefix: str = "") -> Breakdown:
     """Groups spans into routed requests and computes each request's segments.
 
-    Requests whose router span ended with an HTTP error status are left out
-    (counted in `excluded`), so the percentiles describe served requests.
+    Only requests whose client request id (the X-Request-Id the router got)
+    starts with request_id_prefix are taken, e.g. to leave warm-up requests
+    out. Requests whose router span ended with an HTTP error status are left
+    out too (counted in `excluded`), so the percentiles describe served
+    requests.
     """
     spans = list(spans)
     by_trace: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -224,6 +227,8 @@ def breakdown(spans: Iterable[dict[str, Any]]) -> Breakdown:
     excluded: dict[str, int] = defaultdict(int)
     for root in (s for s in spans if s["name"] == ROUTER_SPAN):
         attributes = root["attributes"]
+        if not str(attributes.get("kvpush.client_request_id", "")).startswith(request_id_prefix):
+            continue
         status = int(attributes.get("http.response.status_code", 0))
         if status >= 400:
             excluded[f"HTTP {status}"] += 1

@@ -151,7 +151,7 @@ def write_png(result: Breakdown, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     requests = result.requests
-    figure, (stacked, percentiles) = plt.subplots(1, 2, figsize=(14, max(3.0, 0.4 * len(requests) + 1.5)), gridspec_kw={"width_ratios": [3, 2]})
+    figure, (stacked, percentiles) = plt.subplots(1, 2, figsize=(14, max(4.0, 0.4 * len(requests) + 3.0)), gridspec_kw={"width_ratios": [3, 2]})
     labels = [_request_label(i, r) for i, r in enumerate(requests)]
     left = [0.0] * len(requests)
     for segment in SEGMENTS:
@@ -161,7 +161,7 @@ def write_png(result: Breakdown, path: Path, title: str) -> None:
     stacked.invert_yaxis()
     stacked.set_xlabel("ms from the router receiving the request")
     stacked.set_title("breakdown across requests")
-    stacked.legend(fontsize=7, loc="lower right")
+    stacked.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=3)
     rows = result.rows()[: len(SEGMENTS)]
     positions = range(len(rows))
     percentiles.barh([p - 0.2 for p in positions], [r.p50 or 0.0 for r in rows], height=0.4, label="p50", color="#4e79a7")

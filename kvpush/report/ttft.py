@@ -26,6 +26,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", type=Path, help="write the HTML report (self-contained) here")
     parser.add_argument("--png", type=Path, help="write the charts as PNG here (needs matplotlib: pip install 'kvpush[report]')")
     parser.add_argument("--json", type=Path, help="write every request's instants, segments and details here")
+    parser.add_argument("--request-id-prefix", default="", help="only requests whose X-Request-Id starts with this (e.g. to leave out warm-up)")
     parser.add_argument("--title", default="kvpush TTFT breakdown", help="title of the HTML page and the PNG")
 
 
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             print(f"kvpush ttft-report: {exc}", file=sys.stderr)
             return 2
-    result = breakdown(spans)
+    result = breakdown(spans, request_id_prefix=args.request_id_prefix)
     if not result.requests:
         excluded = f" ({', '.join(f'{n} x {reason}' for reason, n in result.excluded.items())} left out)" if result.excluded else ""
         print(f"kvpush ttft-report: no served router.request spans in {', '.join(map(str, args.traces))}{excluded}; "

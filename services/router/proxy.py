@@ -39,8 +39,8 @@ from kvpush.services.router.core import (
     COMPLETIONS_PATH,
     PULL_PREFILL_PARAMS,
     BadRequest,
-    EnginePool,
     Endpoint,
+    EnginePool,
     check_routable,
     decode_body,
     kvpush_params,
@@ -228,7 +228,6 @@ class Opened:
 
     decode: DecodeLeg
     prefill: asyncio.Task | None
-    attempt: int
 
 
 class Router:
@@ -471,7 +470,7 @@ class Router:
             if config.mode == "push":
                 await self._cancel_transfer(ctx.transfer_id, attempt, str(exc))
             raise
-        return Opened(decode, p_task, attempt)
+        return Opened(decode, p_task)
 
     async def _first_output(self, ctx: RequestContext, p_task: asyncio.Task, d_task: asyncio.Task, p_endpoint: Endpoint, d_endpoint: Endpoint) -> None:
         """Waits for the decode leg's first output; raises the first leg failure, or a timeout naming the leg waited on."""
@@ -509,7 +508,7 @@ class Router:
         except BaseException as exc:
             decode.close(abort=True, error=str(exc) or type(exc).__name__)
             raise
-        return Opened(decode, None, attempt)
+        return Opened(decode, None)
 
     async def _cancel_transfer(self, transfer_id: str, attempt: int, detail: str) -> None:
         """Cancels one transfer attempt at the broker (bounded); failures are logged, D's own deadline still frees its blocks."""

@@ -40,7 +40,7 @@ def span(name: str, trace_id: str, span_id: str, start_ms: float, end_ms: float,
 
 def _protobuf_json(record: dict[str, Any]) -> dict[str, Any]:
     converted = dict(record)
-    for key, size in (("traceId", 16), ("spanId", 8), ("parentSpanId", 8)):
+    for key in ("traceId", "spanId", "parentSpanId"):
         if converted.get(key):
             converted[key] = base64.b64encode(bytes.fromhex(converted[key])).decode()
     converted["kind"] = {1: "SPAN_KIND_INTERNAL", 2: "SPAN_KIND_SERVER", 3: "SPAN_KIND_CLIENT"}[record["kind"]]

@@ -136,3 +136,13 @@ def test_cli_without_router_spans_explains_itself(tmp_path, capsys):
     traces = write_trace_file(tmp_path / "traces.jsonl", [span("p.prefill", TRACE_A, "1" * 16, 0, 1)])
     assert kvpush_main(["ttft-report", str(traces)]) == 1
     assert "no served router.request spans" in capsys.readouterr().err
+
+
+def test_request_id_prefix_selects_requests(tmp_path):
+    spans = routed_request(TRACE_A, "t1") + routed_request(TRACE_B, "t2", offset_ms=100)
+    for item in spans:
+        if item["span"]["name"] == "router.request" and item["span"]["traceId"] == TRACE_B:
+            item["span"]["attributes"].append({"key": "kvpush.client_request_id", "value": {"stringValue": "warmup-0"}})
+            item["span"]["attributes"] = [a for a in item["span"]["attributes"] if a["key"] != "kvpush.client_request_id" or a["value"]["stringValue"] == "warmup-0"]
+    result = breakdown(read_spans(write_trace_file(tmp_path / "traces.jsonl", spans)), request_id_prefix="client-")
+    assert [r.transfer_id for r in result.requests] == ["t1"] and result.excluded == {}

@@ -34,11 +34,12 @@ class Received:
 class FakeEngine:
     """A fake vLLM server of one role; `behaviour` is "ok", "error:<status>", "hang" or (decode) "break"."""
 
-    def __init__(self, role: str, engine_id: str, behaviour: str = "ok", delay_s: float = 0.0):
+    def __init__(self, role: str, engine_id: str, behaviour: str = "ok", delay_s: float = 0.0, chunk_delay_s: float = 0.0):
         self.role = role
         self.engine_id = engine_id
         self.behaviour = behaviour
         self.delay_s = delay_s
+        self.chunk_delay_s = chunk_delay_s  # pause after each streamed chunk
         self.received: list[Received] = []
         self.disconnected = 0  # requests whose client went away before the answer
         self._runner: web.AppRunner | None = None
@@ -94,6 +95,11 @@ class FakeEngine:
             if self.behaviour == "break" and index == 0:
                 request.transport.close()
                 return response
+            try:
+                await asyncio.sleep(self.chunk_delay_s)
+            except asyncio.CancelledError:
+                self.disconnected += 1
+                raise
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response

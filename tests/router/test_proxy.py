@@ -276,6 +276,26 @@ async def test_decode_breaking_off_after_output_ends_the_stream_with_an_error_ev
     assert len(decode.received) == 1, "output had reached the client: no retry"
 
 
+async def test_client_going_away_mid_stream_aborts_the_decode_leg(plane, spans):
+    provider, exporter = spans
+    prefill, decode = await started(FakeEngine("prefill", "prefill-0"), FakeEngine("decode", "decode-0", chunk_delay_s=0.5))
+    try:
+        async with RouterUnderTest(make_config(plane, [prefill], [decode]), provider) as router:
+            async with router.client.post(router.url + "/v1/completions", json={**BODY, "stream": True}) as response:
+                first = await response.content.readline()
+                response.close()  # the client hangs up after the first chunk
+            for _ in range(50):
+                if decode.disconnected:
+                    break
+                await asyncio.sleep(0.1)
+    finally:
+        await stop(prefill, decode)
+    assert first.startswith(b"data: {")
+    assert decode.disconnected == 1, "the decode engine's request was aborted"
+    d_span = next(s for s in exporter.get_finished_spans() if s.name == "router.decode_leg")
+    assert d_span.status.description == "client went away"
+
+
 async def test_pull_mode_sends_the_decode_leg_what_prefill_returned(spans):
     provider, _ = spans
     prefill, decode = await started(FakeEngine("prefill", "prefill-0", delay_s=0.1), FakeEngine("decode", "decode-0"))

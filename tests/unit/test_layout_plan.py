@@ -35,6 +35,10 @@ def make_planes(kind: str, layers: int, num_blocks: int, block_size: int, local_
             bs, hs, ts = page, block_size * 2 * ROW, 2 * ROW
             planes.append(Plane(layer, engine_pb2.KV_PLANE_KEY, base, bs, hs, ts, ELEMENT))
             planes.append(Plane(layer, engine_pb2.KV_PLANE_VALUE, base + ROW, bs, hs, ts, ELEMENT))
+        elif kind == "block_major":  # [B, L, H, N, K|V]: every layer's page of a block side by side
+            base, bs, hs, ts = layer * page, layers * page, block_size * 2 * ROW, 2 * ROW
+            planes.append(Plane(layer, engine_pb2.KV_PLANE_KEY, base, bs, hs, ts, ELEMENT))
+            planes.append(Plane(layer, engine_pb2.KV_PLANE_VALUE, base + ROW, bs, hs, ts, ELEMENT))
     return planes, layers * layer_bytes
 
 
@@ -43,7 +47,7 @@ def cell(plane: Plane, blocks: np.ndarray, block_size: int, first_token: int, fi
     return plane.address(int(b), head - first_head, token % block_size, channel)
 
 
-@pytest.mark.parametrize("src_kind,dst_kind", [("cpu", "cpu"), ("nhd", "nhd"), ("hnd", "hnd"), ("nhd", "hnd")])
+@pytest.mark.parametrize("src_kind,dst_kind", [("cpu", "cpu"), ("nhd", "nhd"), ("hnd", "hnd"), ("nhd", "hnd"), ("block_major", "block_major"), ("block_major", "hnd")])
 @pytest.mark.parametrize("src_bs,dst_bs", [(32, 32), (32, 64), (64, 32)])
 @pytest.mark.parametrize("src_tp,dst_tp", [(1, 1), (1, 2), (2, 1)])
 def test_plan_moves_exactly_the_routed_cells(src_kind, dst_kind, src_bs, dst_bs, src_tp, dst_tp):
@@ -61,8 +65,8 @@ def test_plan_moves_exactly_the_routed_cells(src_kind, dst_kind, src_bs, dst_bs,
         dst_buf = dst_bufs.setdefault(d.tp_rank, np.zeros(dsize, dtype=np.uint8))
         sblocks = rng.permutation(20)[: -(-num_tokens // src_bs)]
         dblocks = rng.permutation(20)[: -(-(num_tokens - first_token) // dst_bs)]
-        src = Side(sp, ELEMENT, HEAD_SIZE, src_bs, p.first_head, sblocks, 0)
-        dst = Side(dp, ELEMENT, HEAD_SIZE, dst_bs, d.first_head, dblocks, first_token)
+        src = Side(sp, ELEMENT, HEAD_SIZE, src_bs, p.first_head, sblocks, 0, p.num_heads)
+        dst = Side(dp, ELEMENT, HEAD_SIZE, dst_bs, d.first_head, dblocks, first_token, d.num_heads)
         plan = build_plan(src, dst, (first_token, num_tokens), (route.first_head, route.stop))
         assert plan.total_bytes == (num_tokens - first_token) * (route.stop - route.first_head) * ROW * 2 * layers
         for s, t, n in zip(plan.src.tolist(), plan.dst.tolist(), plan.lengths.tolist()):
@@ -82,13 +86,22 @@ def test_plan_moves_exactly_the_routed_cells(src_kind, dst_kind, src_bs, dst_bs,
 def test_equal_layouts_with_consecutive_blocks_merge_to_one_descriptor_per_layer():
     planes, _ = make_planes("cpu", 3, 64, 32, 2)
     blocks = np.arange(10, 18)
-    side = Side(planes, ELEMENT, HEAD_SIZE, 32, 0, blocks, 0)
-    other = Side(planes, ELEMENT, HEAD_SIZE, 32, 0, np.arange(40, 48), 0)
+    side = Side(planes, ELEMENT, HEAD_SIZE, 32, 0, blocks, 0, 2)
+    other = Side(planes, ELEMENT, HEAD_SIZE, 32, 0, np.arange(40, 48), 0, 2)
     plan = build_plan(side, other, (0, 8 * 32), (0, 2))
     assert len(plan) == 3
-    assert plan.unmerged_count == 3 * 8 * 2 * (HEAD_SIZE + 1)  # keys: one chunk per channel; values: one per head
+    assert plan.unmerged_count == 3 * 8  # whole pages: one chunk per (layer, block)
+    token_by_token = build_plan(Side(planes, ELEMENT, HEAD_SIZE, 32, 0, blocks, 0), Side(planes, ELEMENT, HEAD_SIZE, 32, 0, np.arange(40, 48), 0), (0, 8 * 32), (0, 2))
+    assert len(token_by_token) == 3 and token_by_token.unmerged_count == 3 * 8 * 2 * (HEAD_SIZE + 1)
     split = unmerged_plan(plan.src, plan.dst, plan.lengths, 32 * ROW)
     assert len(split) == 3 * 8 * 2 * 2 and split.total_bytes == plan.total_bytes  # one per (layer, block, head, plane)
+
+
+def test_block_major_cache_moves_a_request_as_one_descriptor():
+    planes, _ = make_planes("block_major", 4, 64, 32, 2)
+    plan = build_plan(Side(planes, ELEMENT, HEAD_SIZE, 32, 0, np.arange(3, 9), 0, 2),
+                      Side(planes, ELEMENT, HEAD_SIZE, 32, 0, np.arange(20, 26), 0, 2), (0, 6 * 32), (0, 2))
+    assert len(plan) == 1 and plan.total_bytes == 4 * 6 * 32 * 2 * 2 * ROW
 
 
 def test_merge_keeps_noncontiguous_chunks_apart():
