@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -177,15 +178,13 @@ def _pin(process: Process, cpu: int) -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> tuple[str, dict[str, str]]:
-    """Starts control plane, P, D and router; returns the router URL and the engines' URLs."""
+def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> str:
+    """Starts control plane, P, D and router; returns the router's URL."""
     cp_dir = stack.run_dir / "control-plane"
     cp_dir.mkdir(exist_ok=True)
     control = stack.spawn("control-plane", [
@@ -206,7 +205,7 @@ def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> tuple[s
         }
         processes[role] = (stack.spawn(role, _engine_argv(model_dir, port, cpu, config), ENGINE_ENV), int(cpu), engine_id)
         engines[role] = f"http://127.0.0.1:{port}"
-    _say(stack.started, "starting the prefill engine on CPU 0 and the decode engine on CPU 1 (about 40 s)")
+    _say(stack.started, "starting the prefill engine on CPU 0 and the decode engine on CPU 1 (the longest step)")
     ready: set[str] = set()
     deadline = time.monotonic() + engine_timeout
     last_report = time.monotonic()
@@ -235,7 +234,7 @@ def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> tuple[s
     ])
     router_url = f"http://127.0.0.1:{_wait_for_file(router, router_port_file, 30)}"
     _say(stack.started, f"router listening on {router_url}")
-    return router_url, engines
+    return router_url
 
 
 @dataclasses.dataclass
@@ -379,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         model_dir = build_tiny_model(args.model_dir or default_model_dir())
         _say(started, f"model ready in {model_dir}")
         stack = Stack(run_dir, started)
-        router_url, _ = start_stack(stack, model_dir, args.engine_timeout)
+        router_url = start_stack(stack, model_dir, args.engine_timeout)
         answers = asyncio.run(run_requests(router_url, args.max_tokens, started))
         _print_answers(answers)
         (run_dir / "outputs.json").write_text(json.dumps([dataclasses.asdict(a) for a in answers], indent=1), encoding="utf-8")

@@ -64,7 +64,7 @@ setup_browser() {
   log "installing Debian's chromium (apt-get)"
   local started=$SECONDS
   DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
   log "  done in $((SECONDS - started))s ($(chromium --version 2>/dev/null))"
 }
 

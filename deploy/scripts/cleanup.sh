@@ -16,10 +16,17 @@ case "${1:-}" in
   *) echo "usage: cleanup.sh server|proxy" >&2; exit 2 ;;
 esac
 
+# A process that exited but was not yet reaped by its parent (a zombie) counts as gone.
+alive() {
+  local state
+  state=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [[ "$state" != Z* ]]
+}
+
 for pid_file in "${pid_files[@]}"; do
   [[ -f "$pid_file" ]] || continue
   pid=$(cat "$pid_file")
-  if ! kill -0 "$pid" 2>/dev/null; then
+  if ! alive "$pid"; then
     rm -f "$pid_file"
     continue
   fi
@@ -29,11 +36,11 @@ for pid_file in "${pid_files[@]}"; do
   if [[ "$pgid" == "$pid" ]]; then target=(-- "-$pid"); else target=("$pid"); fi
   echo "cleanup.sh: stopping $(basename "$pid_file" .pid) (pid $pid)"
   kill -TERM "${target[@]}" 2>/dev/null || true
-  for _ in $(seq "$GRACE_S"); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 1
+  for _ in $(seq "$((GRACE_S * 10))"); do
+    alive "$pid" || break
+    sleep 0.1
   done
-  if kill -0 "$pid" 2>/dev/null; then
+  if alive "$pid"; then
     echo "cleanup.sh: pid $pid still alive after ${GRACE_S}s, killing"
     kill -KILL "${target[@]}" 2>/dev/null || true
   fi

@@ -76,7 +76,8 @@ def _stacked_svg(requests: list[RequestBreakdown]) -> str:
                 f'height="{BAR_HEIGHT}" fill="{SEGMENT_COLORS[segment.name]}"><title>{html.escape(segment.label)}: {value:.2f} ms</title></rect>'
             )
             x += width
-        parts.append(f'<text x="{x + 4:.2f}" y="{y + BAR_HEIGHT - 4}" font-size="11">{total:.1f} ms</text>')
+        note = "" if request.ttft_ms is not None else " to D's first step (not streamed: no TTFT)"
+        parts.append(f'<text x="{x + 4:.2f}" y="{y + BAR_HEIGHT - 4}" font-size="11">{total:.1f} ms{note}</text>')
     parts.append("</svg>")
     return "".join(parts)
 

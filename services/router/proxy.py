@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 TRACER_NAME = "kvpush.router"
 PREFILL, DECODE = "prefill", "decode"
+# The router's spans (docs/design.md, Telemetry): one per client request, one per leg.
+REQUEST_SPAN = "router.request"
+LEG_SPANS = {PREFILL: "router.prefill_leg", DECODE: "router.decode_leg"}
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
 # A streamed chunk with top logprobs can pass aiohttp's 64 KiB read buffer.
 READ_BUFSIZE = 4 * 1024 * 1024
@@ -324,7 +327,7 @@ class Router:
         carrier = {key: request.headers[key] for key in TRACE_HEADERS if key in request.headers}
         client_request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         span = self.tracer.start_span(
-            "router.request",
+            REQUEST_SPAN,
             context=extract_context(carrier),
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "http.route": request.path, ATTR_CLIENT_REQUEST_ID: client_request_id, "kvpush.mode": self.config.mode},
@@ -397,7 +400,7 @@ class Router:
 
     def _leg_span(self, ctx: RequestContext, leg: str, endpoint: Endpoint, attempt: int) -> Span:
         return self.tracer.start_span(
-            f"router.{leg}_leg",
+            LEG_SPANS[leg],
             context=trace.set_span_in_context(ctx.span),
             kind=SpanKind.CLIENT,
             attributes={

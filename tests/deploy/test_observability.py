@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 
 from kvpush.report.breakdown import DETAILS
 from kvpush.services.broker.metrics import BrokerMetrics
-from kvpush.services.router.core import EnginePool, Endpoint
+from kvpush.services.router.core import Endpoint, EnginePool
 from kvpush.services.router.metrics import RouterMetrics
+from kvpush.services.router.proxy import LEG_SPANS, REQUEST_SPAN
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "deploy" / "observability"
@@ -30,15 +31,12 @@ PROMETHEUS = yaml.safe_load((OBSERVABILITY / "prometheus.yml").read_text())
 
 
 def emitted_span_names() -> set[str]:
-    """Span names in kvpush's sources: the connector's emit() calls, the broker's and the router's spans."""
+    """Span names kvpush emits: the connector's emit() calls and the broker's spans (read from the sources), and the router's."""
     names = set()
     for path in (ROOT / "connector").glob("*.py"):
         names |= set(re.findall(r'emit\(\s*"([a-z]+\.[a-z_]+)"', path.read_text()))
     names |= set(re.findall(r'"(broker\.[a-z_]+)"', (ROOT / "services" / "broker" / "core.py").read_text()))
-    proxy = (ROOT / "services" / "router" / "proxy.py").read_text()
-    names |= set(re.findall(r'"(router\.[a-z_]+)"', proxy))
-    names |= {f"router.{leg}_leg" for leg in ("prefill", "decode")} if 'f"router.{leg}_leg"' in proxy else set()
-    return names
+    return names | {REQUEST_SPAN, *LEG_SPANS.values()}
 
 
 def queries() -> list[str]:
