@@ -80,9 +80,13 @@ class Geometry:
         """block_size rows of one head: the unit of the unmerged plan, one per (layer, plane, block) in count."""
         return self.block_size * self.head_size * self.element
 
+    def moved_tokens(self, tokens: int) -> int:
+        """Tokens a WRITE of a `tokens`-token prompt moves: whole blocks, the last partly filled one too."""
+        return -(-tokens // self.block_size) * self.block_size
+
     def transfer_bytes(self, tokens: int) -> int:
-        """Keys and values of `tokens` tokens of every layer and local head."""
-        return self.layers * tokens * self.heads * 2 * self.head_size * self.element
+        """Keys and values of the moved tokens of every layer and local head."""
+        return self.layers * self.moved_tokens(tokens) * self.heads * 2 * self.head_size * self.element
 
 
 def allocate_cache(geometry: Geometry, device: torch.device) -> torch.Tensor:
@@ -327,7 +331,7 @@ class Producer:
         """One verified WRITE: fill, build the plan, post, poll to DONE, and collect D's timing and verdict."""
         self.transfers += 1
         notif = f"{NOTIF_PREFIX}|{self.transfers}"
-        self.link.send("expect", notif, seed, dst_ids.tolist(), tokens)
+        self.link.send("expect", notif, seed, dst_ids.tolist(), self.geometry.moved_tokens(tokens))
         src = torch.as_tensor(src_ids, dtype=torch.int64, device=self.device)
         self.bits.index_copy_(1, src, seeded_bits(seed, self.geometry, len(src_ids), self.device))
         synchronize(self.device)  # the WRITE must read what the fill wrote, as the connector waits on the forward

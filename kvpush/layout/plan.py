@@ -105,13 +105,15 @@ def build_plan(src: Side, dst: Side, token_range: tuple[int, int], head_range: t
     general = [(t0, t1)]
     pages = _page_geometry(src, dst, h0, h1)
     if pages is not None:
-        # Full blocks laid out identically on both sides move as whole pages;
-        # only the partial blocks at either end go token by token.
+        # Blocks laid out identically on both sides move as whole pages, the
+        # last, partly filled one too (as upstream vLLM moves whole blocks):
+        # the destination overwrites its slots past the prompt before it ever
+        # reads them, and one page beats a descriptor per head and channel.
         bs = src.block_size
-        full0, full1 = -(-t0 // bs) * bs, (t1 // bs) * bs
+        full0, full1 = -(-t0 // bs) * bs, -(-t1 // bs) * bs
         if full1 > full0:
             parts.append(_page_chunks(src, dst, pages, full0, full1))
-            general = [(t0, full0), (full1, t1)]
+            general = [(t0, full0)]
     for a, b in general:
         if b > a:
             parts.extend(_token_chunks(src, dst, _token_runs(src, dst, a, b), heads))
@@ -181,7 +183,7 @@ def _page_geometry(src: Side, dst: Side, h0: int, h1: int) -> tuple | None:
 
 
 def _page_chunks(src: Side, dst: Side, pages, t0: int, t1: int) -> tuple[np.ndarray, ...]:
-    """One chunk per (layer, block) for the full blocks of [t0, t1)."""
+    """One chunk per (layer, block) for the blocks of [t0, t1) (block-aligned)."""
     (src_starts, sizes, src_strides, _), (dst_starts, _, dst_strides, _) = pages
     bs = src.block_size
     blocks = np.arange(t0 // bs, t1 // bs, dtype=np.int64)

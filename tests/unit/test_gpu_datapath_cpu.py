@@ -49,7 +49,7 @@ def test_every_transfer_moves_the_right_bytes(cpu_run):
     for (tokens, ids, path), cell in cells.items():
         blocks = -(-tokens // BLOCK_SIZE)
         assert cell["verified"] and not cell["failures"], cell
-        assert cell["bytes"] == LAYERS * tokens * ROW_PAIR_BYTES  # the prompt's tokens, not the last block's tail
+        assert cell["bytes"] == LAYERS * blocks * BLOCK_SIZE * ROW_PAIR_BYTES  # whole blocks, the last partly filled one too
         assert len(cell["samples"]) == ITERS and len(cell["warmup"]) == 1
         if path == "unmerged":
             assert cell["descriptors"] * PAGE_BYTES == 2 * cell["bytes"]  # one per (layer, plane, block) of full blocks
