@@ -42,6 +42,10 @@ class ControlSession:
         self._tasks: list[Any] = []
         self._closed = False
 
+    @property
+    def engine_token(self) -> str:
+        return self.broker.engine_token
+
     def set_engine_token(self, token: str) -> None:
         self.registrar.engine_token = token
         self.broker.engine_token = token
@@ -114,7 +118,9 @@ class ControlSession:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
                     try:
-                        lease_id = (await self.registrar.register_engine_rank(request)).lease_id
+                        response = await self.registrar.register_engine_rank(request)
+                        lease_id = response.lease_id
+                        self.set_engine_token(response.engine_token)
                         logger.info("kvpush: rank re-registered with the control plane")
                         break
                     except errors.KvpushError as exc:

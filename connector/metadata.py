@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,17 @@ class KvpushHandshake(KVConnectorHandshakeMetadata):
 
     engine_token: str
     incarnation: str
+
+
+@dataclass
+class KvpushWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler during serving: the engine token after the rank registered again.
+
+    A restarted control plane with a new key issues new engine tokens; the
+    decode scheduler signs its registrations with the workers' latest one.
+    """
+
+    engine_token: str
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return self

@@ -30,6 +30,7 @@ class TransferParams:
     timeout_s: float | None
     traceparent: str
     client_request_id: str
+    control_plane: str = ""  # host:port the router expects the engines to use ("" = the engine's own)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -68,4 +69,7 @@ def parse(kv_transfer_params: dict | None) -> TransferParams | None:
     client_request_id = raw.get("client_request_id", "")
     if not isinstance(client_request_id, str):
         raise ParamError("client_request_id", "must be a string")
-    return TransferParams(role, transfer_id, attempt, peer, timeout_s, traceparent, client_request_id)
+    control_plane = raw.get("control_plane", "")
+    if not isinstance(control_plane, str) or (control_plane and ":" not in control_plane):
+        raise ParamError("control_plane", "must be host:port")
+    return TransferParams(role, transfer_id, attempt, peer, timeout_s, traceparent, client_request_id, control_plane)

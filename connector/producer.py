@@ -130,6 +130,7 @@ class Producer:
         self.ready = threading.Event()  # set when a source was released
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: set[str] = set()
+        self._written: dict[str, tuple[int, SourceReady]] = {}  # released after a WRITE: its completion time
         self._finished_lock = threading.Lock()
         self._sources: dict[Key, Source] = {}
         self._orders: dict[Key, Order] = {}
@@ -156,9 +157,14 @@ class Producer:
         self._inbox.put(("engine", event))
 
     def take_finished(self) -> set[str]:
+        """Released sources; the `p.completion` span runs from the WRITE's completion to this hand-back."""
         with self._finished_lock:
             done, self._finished = self._finished, set()
+            written, self._written = self._written, {}
         self.ready.clear()
+        now_ns = time.time_ns()
+        for written_ns, ready in written.values():
+            self.spans.emit("p.completion", written_ns, now_ns, ready)
         return done
 
     def has_work(self) -> bool:
@@ -220,6 +226,7 @@ class Producer:
                 return  # at most one write per (transfer, attempt) on this rank
             budget = order.write_budget.ToTimedelta().total_seconds()
             self._orders[key] = Order(order, time.monotonic() + budget - WRITE_SAFETY_S, item[3], item[2])
+            self.spans.emit("p.order_delivery", item[2], item[3], _OrderRef(order), early=not order.HasField("source"))
             self._try_start(key)
         elif kind == "revocation":
             key = (item[1].key.transfer_id, item[1].key.attempt)
@@ -336,7 +343,7 @@ class Producer:
             self._answer(key, outcome, job, nbytes=nbytes, descriptors=descriptors, done_ns=done_ns)
             source = self._sources.pop(key, None)
             if source is not None:
-                self._release(source)
+                self._release(source, done_ns)
 
     def _answer(self, key: Key, outcome: int, job: Job, *, nbytes: int = 0, descriptors: int = 0, done_ns: int = 0) -> None:
         self._outcomes[key] = outcome
@@ -367,10 +374,35 @@ class Producer:
                 del self._sources[key]
                 self._release(source)
 
-    def _release(self, source: Source) -> None:
+    def _release(self, source: Source, written_ns: int = 0) -> None:
         with self._finished_lock:
             self._finished.add(source.ready.req_id)
+            if written_ns:
+                self._written[source.ready.req_id] = (written_ns, source.ready)
         self.ready.set()
+
+
+@dataclass(frozen=True)
+class _OrderRef:
+    """An order as Spans.emit wants a request: the transfer and the broker's trace context."""
+
+    order: transfer_pb2.WriteOrder
+
+    @property
+    def transfer_id(self) -> str:
+        return self.order.key.transfer_id
+
+    @property
+    def attempt(self) -> int:
+        return self.order.key.attempt
+
+    @property
+    def traceparent(self) -> str:
+        return self.order.trace_context.get("traceparent", "")
+
+    @property
+    def client_request_id(self) -> str:
+        return self.order.client_request_id
 
 
 def _concat(plans: list[Plan]) -> Plan:

@@ -27,7 +27,7 @@ from vllm.v1.request import RequestStatus
 from kvpush import errors
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
-from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata, RecvExpected, SourceReady
+from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata, KvpushWorkerMeta, RecvExpected, SourceReady
 from kvpush.connector.params import ParamError, TransferParams, parse
 from kvpush.connector.spans import Spans
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -148,6 +148,11 @@ class KvpushScheduler:
         if params is None or params.role != "decode":
             return
         self._handled.add(request.request_id)
+        if params.control_plane and params.control_plane != self.config.control_plane:
+            if num_external_tokens > 0:
+                self._start_wait(request, params, f"kv_transfer_params.kvpush.control_plane is {params.control_plane!r} but "
+                                 f"decode engine {self.config.engine_id} is registered with {self.config.control_plane!r}")
+            return
         if num_external_tokens == 0:
             # Everything was cached locally: tell the broker so P frees its blocks now.
             self._cancel(params.key, "decode side had the whole prompt cached")
@@ -235,6 +240,11 @@ class KvpushScheduler:
             logger.error("kvpush: request %s is a %s leg sent to prefill engine %s; serving it without a KV transfer",
                          request.request_id, params.role, self.config.engine_id)
             return
+        if params.control_plane and params.control_plane != self.config.control_plane:
+            logger.error("kvpush: request %s names control plane %s but prefill engine %s is registered with %s; "
+                         "serving it without a KV transfer", request.request_id, params.control_plane,
+                         self.config.engine_id, self.config.control_plane)
+            return
         self._tracks[request.request_id] = PrefillTrack(params, request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
@@ -306,6 +316,8 @@ class KvpushScheduler:
 
     def update_connector_output(self, output: Any) -> None:
         now_ns = time.time_ns()
+        if isinstance(output.kv_connector_worker_meta, KvpushWorkerMeta) and self.session is not None:
+            self.session.set_engine_token(output.kv_connector_worker_meta.engine_token)
         for req_id in output.finished_recving or ():
             wait = self._waits.pop(req_id, None)
             if wait is None:

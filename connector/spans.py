@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 
 from kvpush.telemetry import extract_context, span_attributes
 
@@ -25,9 +26,13 @@ class Spans:
         self.engine_id = engine_id
         self.role = role
         self._tracer = trace.get_tracer(TRACER_NAME)
+        # Without a configured SDK every span is a no-op: skip the work of building one.
+        self.enabled = isinstance(trace.get_tracer_provider(), TracerProvider)
 
     def emit(self, name: str, start_ns: int, end_ns: int, request: Any, **attributes: Any) -> None:
         """request: anything with transfer_id, attempt, traceparent and optionally client_request_id."""
+        if not self.enabled:
+            return
         parent = extract_context({"traceparent": request.traceparent}) if request.traceparent else None
         attrs = span_attributes(
             request.transfer_id,

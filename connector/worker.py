@@ -22,7 +22,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.consumer import Consumer
 from kvpush.connector.control import ControlSession
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
-from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
+from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata, KvpushWorkerMeta
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
 from kvpush.connector.producer import LocalLayout, Producer
 from kvpush.connector.spans import Spans
@@ -152,6 +152,13 @@ class KvpushWorker:
 
     def handshake(self) -> KvpushHandshake:
         return KvpushHandshake(engine_token=self.engine_token, incarnation=self.incarnation)
+
+    def worker_meta(self) -> KvpushWorkerMeta | None:
+        """The engine token, once after it changed (the rank registered again)."""
+        if self.session is None or self.session.engine_token == self.engine_token:
+            return None
+        self.engine_token = self.session.engine_token
+        return KvpushWorkerMeta(self.engine_token)
 
     # ---- per step -------------------------------------------------------------------
 

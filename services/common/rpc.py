@@ -8,10 +8,12 @@ import logging
 from collections.abc import Callable
 
 import grpc
+from opentelemetry import trace
 
 from kvpush import status
 from kvpush.errors import Internal, KvpushError, Reason
 from kvpush.services.common.outbox import Outbox
+from kvpush.telemetry import span_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,7 @@ def rpc_method(method):
 
     @functools.wraps(method)
     async def wrapper(self, request, context: grpc.aio.ServicerContext):
+        _tag_transfer(request)
         try:
             return await method(self, request, context)
         except KvpushError as err:
@@ -37,6 +40,18 @@ def rpc_method(method):
             await context.abort_with_status(status.to_status(Internal("internal error; see the server log", reason=Reason.INTERNAL)))
 
     return wrapper
+
+
+def _tag_transfer(request) -> None:
+    """Puts the transfer a call is about on its server span, so traces join on it."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    key = getattr(request, "key", None)
+    if key is not None and key.transfer_id:
+        span.set_attributes(span_attributes(key.transfer_id, key.attempt))
+    elif getattr(request, "transfer_id", ""):
+        span.set_attributes(span_attributes(request.transfer_id, request.attempt))
 
 
 async def drain_to_stream(outbox: Outbox, context: grpc.aio.ServicerContext, wanted: Callable[[], bool]) -> None:

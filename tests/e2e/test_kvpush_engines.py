@@ -218,6 +218,9 @@ def test_broker_down_fails_requests_in_time_then_recovers(stack):
         assert isinstance(result.decode, HttpError), result.decode  # D gave up: its deadline plus the safety margin
         assert elapsed < 15
     finally:
+        # A new engine-token key, as after losing the old one: the ranks get new
+        # tokens when they register again and the decode scheduler takes them over.
+        (control_plane.work_dir / "engine-token.key").unlink()
         restarted = start_control_plane(control_plane.work_dir, port=control_plane.port, env={"KVPUSH_TRACES_FILE": str(stack["traces"])})
         stack["control_plane"] = restarted
     # Engines re-register with the restarted control plane and serve again.

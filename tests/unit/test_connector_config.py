@@ -70,6 +70,7 @@ def test_params_absent_or_valid():
         ({"role": "decode", "transfer_id": "t"}, "prefill_engine_id"),
         ({"role": "decode", "transfer_id": "t", "prefill_engine_id": "p", "timeout_ms": 0}, "timeout_ms"),
         ({"role": "decode", "transfer_id": "t", "prefill_engine_id": "p", "traceparent": 7}, "traceparent"),
+        ({"role": "decode", "transfer_id": "t", "prefill_engine_id": "p", "control_plane": "nohostport"}, "control_plane"),
     ],
 )
 def test_bad_params_name_the_field(raw, field):
