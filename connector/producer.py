@@ -226,7 +226,6 @@ class Producer:
                 return  # at most one write per (transfer, attempt) on this rank
             budget = order.write_budget.ToTimedelta().total_seconds()
             self._orders[key] = Order(order, time.monotonic() + budget - WRITE_SAFETY_S, item[3], item[2])
-            self.spans.emit("p.order_delivery", item[2], item[3], _OrderRef(order), early=not order.HasField("source"))
             self._try_start(key)
         elif kind == "revocation":
             key = (item[1].key.transfer_id, item[1].key.attempt)
@@ -280,6 +279,9 @@ class Producer:
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
             return  # the registrar's view of the decode engine hasn't arrived yet
         del self._orders[key]
+        # A P-side segment belongs under P's request; the broker's context (D's registration
+        # for an early order) is kept as a link.
+        self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, source.ready, links=(_OrderRef(order.order).traceparent,), early=not order.order.HasField("source"))
         if time.monotonic() > order.write_by:
             logger.warning("kvpush producer: order %s arrived too late to write; dropping", key)
             self._answer(key, transfer_pb2.WRITE_OUTCOME_REVOKED, Job(key, source, order))

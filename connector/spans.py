@@ -29,8 +29,9 @@ class Spans:
         # Without a configured SDK every span is a no-op: skip the work of building one.
         self.enabled = isinstance(trace.get_tracer_provider(), TracerProvider)
 
-    def emit(self, name: str, start_ns: int, end_ns: int, request: Any, **attributes: Any) -> None:
-        """request: anything with transfer_id, attempt, traceparent and optionally client_request_id."""
+    def emit(self, name: str, start_ns: int, end_ns: int, request: Any, links: tuple[str, ...] = (), **attributes: Any) -> None:
+        """request: anything with transfer_id, attempt, traceparent and optionally client_request_id;
+        links: traceparents of related spans outside the request's own ancestry."""
         if not self.enabled:
             return
         parent = extract_context({"traceparent": request.traceparent}) if request.traceparent else None
@@ -42,5 +43,6 @@ class Spans:
         )
         attrs["kvpush.role"] = self.role
         attrs.update({f"kvpush.{k}": v for k, v in attributes.items() if v is not None and v != ""})
-        span = self._tracer.start_span(name, context=parent, start_time=start_ns, attributes=attrs)
+        span_links = [trace.Link(trace.get_current_span(extract_context({"traceparent": tp})).get_span_context()) for tp in links if tp]
+        span = self._tracer.start_span(name, context=parent, start_time=start_ns, attributes=attrs, links=span_links)
         span.end(end_time=max(end_ns, start_ns))

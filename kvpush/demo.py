@@ -370,7 +370,8 @@ def run(args: argparse.Namespace) -> int:
     def interrupted(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, interrupted)
+    # Both explicitly: a shell's background job starts with SIGINT ignored.
+    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         _check_prerequisites()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -407,4 +408,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if stack is not None:
             stack.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -21,12 +21,20 @@ from kvpush.services.common.clock import Clock, SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.engine_tokens import EngineTokens
-from kvpush.telemetry import configure_tracing
-from kvpush.services.common.server import MetricsServer, RunningServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.services.common.server import (
+    MetricsServer,
+    RunningServer,
+    Service,
+    announce,
+    build_server,
+    run_event_loop,
+    serve_until_signalled,
+)
 from kvpush.services.registrar import servicer as registrar_servicer
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 from kvpush.services.registrar.metrics import register_registrar_metrics
+from kvpush.telemetry import configure_tracing
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

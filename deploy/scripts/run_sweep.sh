@@ -36,7 +36,6 @@ RESULTS_DIR=${RESULTS_DIR:-results}
 PID_DIR=${PID_DIR:-/tmp/kvpush-bench}
 KVPUSH=${KVPUSH:-kvpush}
 VLLM=${VLLM:-vllm}
-REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 run() {
   if [[ -n "${DRY_RUN:-}" ]]; then
@@ -46,13 +45,6 @@ run() {
     "$@"
   fi
 }
-
-if [[ -f "$REPO_ROOT/bench/sweep.py" ]]; then
-  cd "$REPO_ROOT"
-  run python -m bench.sweep --mode "$MODE" --prefill "http://$PREFILL_IP:$PREFILL_PORT=$PREFILL_ENGINE_ID" \
-    --decode "http://$DECODE_IP:$DECODE_PORT=$DECODE_ENGINE_ID" --results-dir "$RESULTS_DIR"
-  exit 0
-fi
 
 router=("$KVPUSH" router --listen "0.0.0.0:$ROUTER_PORT" --mode "$MODE"
   --prefill "http://$PREFILL_IP:$PREFILL_PORT=$PREFILL_ENGINE_ID" --decode "http://$DECODE_IP:$DECODE_PORT=$DECODE_ENGINE_ID")

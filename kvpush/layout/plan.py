@@ -94,7 +94,7 @@ def build_plan(src: Side, dst: Side, token_range: tuple[int, int], head_range: t
     if [(p.layer_index, p.plane) for p in src.planes] != [(p.layer_index, p.plane) for p in dst.planes]:
         raise ValueError("producer and consumer hold different (layer, plane) regions")
     for side in (src, dst):
-        first, last = (t0 - side.first_token) // side.block_size, -(-(t1 - side.first_token) // side.block_size)
+        last = -(-(t1 - side.first_token) // side.block_size)
         if t0 < side.first_token or last > side.block_ids.size:
             raise ValueError(
                 f"token range [{t0}, {t1}) is not covered by {side.block_ids.size} blocks of "

@@ -21,8 +21,8 @@ from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig, add_option
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.engine_tokens import EngineTokens
-from kvpush.telemetry import configure_tracing
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.telemetry import configure_tracing
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:

@@ -61,6 +61,7 @@ def stack(tmp_path_factory, model_dir):
     env = {"KVPUSH_TRACES_FILE": str(traces)}
     control_plane = start_control_plane(work / "control-plane", env=env)
     servers = []
+    state = {"control_plane": control_plane}
     try:
         prefill = start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config("prefill", "prefill-0", control_plane, **ENGINE_EXTRA),
                                     env=env, cpu_list="0", log_path=work / "prefill.log")
@@ -68,10 +69,7 @@ def stack(tmp_path_factory, model_dir):
         decode = start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config("decode", "decode-0", control_plane, **ENGINE_EXTRA),
                                    env=env, cpu_list="1", log_path=work / "decode.log")
         servers.append(decode)
-        state = {
-            "work": work, "control_plane": control_plane, "prefill": prefill, "decode": decode, "prompts": prompts,
-            "reference": reference, "traces": traces, "model_dir": model_dir,
-        }
+        state.update(work=work, prefill=prefill, decode=decode, prompts=prompts, reference=reference, traces=traces, model_dir=model_dir)
         # Warm-up: an engine's first request pays one-time costs (seconds).
         warm = dispatch(prefill.url, "prefill-0", decode.url, "decode-0", prompt_token_ids(20, seed=99), 2)
         assert not isinstance(warm.decode, Exception), warm.decode
@@ -80,7 +78,7 @@ def stack(tmp_path_factory, model_dir):
     finally:
         for server in servers:
             server.stop()
-        control_plane.stop()
+        state["control_plane"].stop()  # the test that restarts it swaps the handle
 
 
 def run(stack, prompt, max_tokens=MAX_TOKENS, **kwargs):

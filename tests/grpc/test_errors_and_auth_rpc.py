@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from conftest import CALL_TIMEOUT_S, TOKEN, FakeEngine, bearer, expect_rpc_error, running_control_plane
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -21,8 +22,6 @@ from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
-
-from conftest import CALL_TIMEOUT_S, TOKEN, FakeEngine, bearer, expect_rpc_error, running_control_plane
 
 T = CALL_TIMEOUT_S
 CODE = grpc.StatusCode

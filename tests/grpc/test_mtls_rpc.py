@@ -9,6 +9,7 @@ import pathlib
 
 import grpc
 import pytest
+from conftest import CALL_TIMEOUT_S, expect_rpc_error, running_control_plane
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -21,8 +22,6 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
-
-from conftest import CALL_TIMEOUT_S, expect_rpc_error, running_control_plane
 
 T = CALL_TIMEOUT_S
 CODE = grpc.StatusCode

@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import grpc
+from conftest import TOKEN, WAIT_S, FakeEngine, bearer, running_control_plane
 
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
@@ -15,8 +16,6 @@ from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.engine_tokens import EngineTokens
 from kvpush.services.registrar.core import RemovalReason
-
-from conftest import TOKEN, WAIT_S, FakeEngine, bearer, running_control_plane
 
 
 async def until(condition, timeout: float = WAIT_S) -> None:

@@ -8,14 +8,13 @@ import time
 
 import grpc
 import pytest
+from conftest import CALL_TIMEOUT_S, WAIT_S, FakeEngine, Inbox, bearer, expect_rpc_error, read
 
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-
-from conftest import CALL_TIMEOUT_S, WAIT_S, FakeEngine, Inbox, bearer, expect_rpc_error, read
 
 T = CALL_TIMEOUT_S
 

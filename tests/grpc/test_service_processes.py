@@ -14,13 +14,12 @@ import time
 import urllib.request
 
 import grpc
+from conftest import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-
-from conftest import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 
 START_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from broker_harness import D, Harness, P
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,8 +19,6 @@ from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import Actor
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RemovalReason
-
-from broker_harness import D, Harness, P
 
 S = tr_pb  # state and reason names are long; S.TRANSFER_STATE_DONE reads fine
 COMPLETED = tr_pb.TRANSFER_EVENT_TYPE_COMPLETED
