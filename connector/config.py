@@ -35,7 +35,7 @@ class ConnectorConfig:
     poll_interval_ms: float = 0.5  # (poll_interval_ms) NIXL progress interval while a transfer is expected
     idle_poll_ms: float = 20.0  # (idle_poll_ms) NIXL progress interval while nothing is expected
     rpc_timeout_s: float = 5.0  # (rpc_timeout_s) deadline of each control-plane call
-    gil_switch_interval_ms: float = 0.5  # (gil_switch_interval_ms) a prefill worker's sys.setswitchinterval: how long the transfer thread may wait for the GIL
+    gil_switch_interval_ms: float = 0.5  # (gil_switch_interval_ms) the worker's sys.setswitchinterval: how long the transfer thread may wait for the GIL
     startup_timeout_s: float = 60.0  # (startup_timeout_s) how long registration may take at engine start
 
     @classmethod

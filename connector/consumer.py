@@ -1,22 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Completion counting on a decode worker.
+"""The decode worker's receive thread.
 
-Every producer rank that writes to this rank sends one NIXL notification
-per transfer attempt, and each says how many producer ranks to expect. When
-all have arrived, the KV is in place and the request is reported received.
-
-Who polls NIXL: the engine thread, once per engine step (a cheap call, and
-the scheduler can act on a completion only at a step boundary anyway), and,
-when a step has nothing to compute, in a short loop instead of stepping
-again. A background thread keeps the agent progressing (connection setup
-with producers, stray notifications) only while the engine thread has not
-polled for a while, so during busy decoding no second thread competes for
-the GIL.
+It owns the worker's NIXL agent and counts completion notifications: every
+producer rank that writes to this rank sends one per transfer attempt, and
+each says how many producer ranks to expect. When all have arrived, the KV is
+in place and the request is reported as received. The thread polls NIXL only
+while a receive is pending (and rarely otherwise, to let producers connect);
+the engine thread sleeps on `ready` instead of stepping.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,8 +27,6 @@ logger = logging.getLogger(__name__)
 # Notifications for transfers this rank has not been told about yet (they can
 # overtake the scheduler's metadata) are kept this long.
 EARLY_NOTIFICATION_TTL_S = 60.0
-# The background thread polls only when the engine thread has not for this long.
-ENGINE_POLL_WINDOW_S = 0.05
 
 Key = tuple[str, int]
 
@@ -70,24 +64,75 @@ class Consumer:
         self.spans = spans
         self.poll_interval_s = poll_interval_s
         self.idle_poll_s = idle_poll_s
-        # One lock over the agent (not thread-safe without NIXL's progress
-        # thread) and the tables below.
+        self.ready = threading.Event()  # set when a result is waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._pending: dict[Key, Receive] = {}
         self._by_request: dict[str, Key] = {}
         self._early: dict[Key, Early] = {}
-        self._engine_polled = 0.0
-        self._stop = threading.Event()
+        self._pending_count = 0
+        self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvpush-consumer", daemon=True)
         self._thread.start()
 
     # ---- from the engine thread -----------------------------------------------------
 
     def expect(self, recv: RecvExpected) -> None:
-        key = (recv.transfer_id, recv.attempt)
         with self._lock:
+            self._pending_count += 1
+        self._inbox.put(("expect", recv))
+
+    def fail(self, req_id: str, reason: str) -> None:
+        self._inbox.put(("fail", req_id, reason))
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        """(finished, failed): every failed id is also finished, as vLLM expects."""
+        with self._lock:
+            finished, failed = self._finished | self._failed, self._failed
+            self._finished, self._failed = set(), set()
+        self.ready.clear()
+        return finished, failed
+
+    def has_work(self) -> bool:
+        return self._pending_count > 0
+
+    def stop(self) -> None:
+        self._stop = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=5)
+
+    # ---- the thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                self._step()
+            except Exception:
+                logger.exception("kvpush consumer: unexpected error")
+
+    def _step(self) -> None:
+        try:
+            item = self._inbox.get(timeout=self.poll_interval_s if self._pending else self.idle_poll_s)
+        except queue.Empty:
+            item = None
+        while item is not None:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+        now_ns = time.time_ns()
+        for sender, messages in self.agent.notifications().items():
+            for message in messages:
+                self._on_notification(sender, message, now_ns)
+        self._expire_early()
+
+    def _handle(self, item: tuple) -> None:
+        if item[0] == "expect":
+            recv: RecvExpected = item[1]
+            key = (recv.transfer_id, recv.attempt)
             receive = Receive(recv)
             self._pending[key] = receive
             self._by_request[recv.req_id] = key
@@ -95,54 +140,11 @@ class Consumer:
             if early is not None:
                 receive.producers, receive.needed = early.producers, early.needed
                 self._check(key, receive, time.time_ns())
-
-    def fail(self, req_id: str, reason: str) -> None:
-        with self._lock:
-            key = self._by_request.pop(req_id, None)
+        elif item[0] == "fail":
+            key = self._by_request.pop(item[1], None)
             if key is not None and self._pending.pop(key, None) is not None:
-                logger.warning("kvpush consumer: request %s failed: %s", req_id, reason)
-                self._failed.add(req_id)
-
-    def take_results(self, wait_s: float = 0.0) -> tuple[set[str], set[str]]:
-        """(finished, failed), every failed id also finished, as vLLM expects.
-
-        Polls NIXL first. With wait_s > 0 (an engine step with nothing to
-        compute) and receives pending, it keeps polling for up to wait_s until
-        something finishes, instead of letting the engine step again.
-        """
-        deadline = time.monotonic() + wait_s
-        while True:
-            with self._lock:
-                self._engine_polled = time.monotonic()
-                self._poll()
-                if self._finished or self._failed or not self._pending or self._engine_polled >= deadline:
-                    finished, failed = self._finished | self._failed, self._failed
-                    self._finished, self._failed = set(), set()
-                    return finished, failed
-            time.sleep(self.poll_interval_s)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    # ---- background progress ---------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.idle_poll_s):
-            try:
-                with self._lock:
-                    if time.monotonic() - self._engine_polled > ENGINE_POLL_WINDOW_S:
-                        self._poll()
-                    self._expire_early()
-            except Exception:
-                logger.exception("kvpush consumer: unexpected error")
-
-    def _poll(self) -> None:
-        """Fetches notifications and counts them (lock held)."""
-        now_ns = time.time_ns()
-        for sender, messages in self.agent.notifications().items():
-            for message in messages:
-                self._on_notification(sender, message, now_ns)
+                logger.warning("kvpush consumer: request %s failed: %s", item[1], item[2])
+                self._publish(item[1], failed=True)
 
     def _on_notification(self, sender: str, message: bytes, now_ns: int) -> None:
         if message == HELLO:
@@ -166,7 +168,13 @@ class Consumer:
             del self._pending[key]
             self._by_request.pop(receive.expected.req_id, None)
             self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=len(receive.producers))
-            self._finished.add(receive.expected.req_id)
+            self._publish(receive.expected.req_id, failed=False)
+
+    def _publish(self, req_id: str, *, failed: bool) -> None:
+        with self._lock:
+            (self._failed if failed else self._finished).add(req_id)
+            self._pending_count -= 1
+        self.ready.set()
 
     def _expire_early(self) -> None:
         if not self._early:

@@ -71,12 +71,10 @@ class KvpushWorker:
         self.kv_cache_config = kv_cache_config
         self.incarnation = incarnation_of(vllm_config, config.engine_id)
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks()
-        if config.role == "prefill":
-            # The transfer thread shares the GIL with the engine thread, which
-            # rarely blocks: with CPython's default 5 ms switch interval a WRITE
-            # ready to post could wait that long behind the next engine step.
-            # (Decode workers poll NIXL from the engine thread itself.)
-            sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
+        # The transfer thread shares the GIL with the engine thread, which
+        # rarely blocks: with CPython's default 5 ms switch interval a WRITE
+        # ready to post could wait that long behind the next engine step.
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
         if self.pp_size > 1:
             raise ValueError("kvpush: pipeline parallelism is not supported yet (pp_size > 1)")
         self.spans = Spans(config.engine_id, config.role)
@@ -219,7 +217,9 @@ class KvpushWorker:
                 done = self.producer.take_finished()
             return done, set(), set()
         if self.consumer is not None:
-            finished, failed = self.consumer.take_results(wait_s if idle else 0.0)
+            finished, failed = self.consumer.take_results()
+            if not finished and idle and self.consumer.has_work() and self.consumer.ready.wait(wait_s):
+                finished, failed = self.consumer.take_results()
             return set(), finished, failed
         return set(), set(), set()
 

@@ -109,12 +109,6 @@ def control(kind: str, transfer_id: str) -> rv_pb.StreamWriteOrdersResponse:
     return message
 
 
-def received(consumer: Consumer):
-    """The consumer's results once something finished (polling NIXL for up to 50 ms), else None."""
-    finished, failed = consumer.take_results(0.05)
-    return (finished, failed) if finished else None
-
-
 def wait(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -131,15 +125,15 @@ def test_early_order_then_source_writes_exactly_the_tokens(pair):
     consumer.expect(RecvExpected("d-req", "t1", 1, time.time_ns(), ""))
     producer.on_order_stream(order("t1", d_blocks, first, tokens))
     producer.source_ready(source("t1", "p-req", p_blocks, tokens))
-    finished, failed = wait(lambda: received(consumer))
+    finished, failed = wait(lambda: consumer.take_results() or None if consumer.ready.wait(0.05) else None)
     assert finished == {"d-req"} and failed == set()
     assert wait(producer.take_finished) == {"p-req"}
     report = wait(lambda: pair["reports"][0] if pair["reports"] else None)
     assert report.outcome == transfer_pb2.WRITE_OUTCOME_WRITTEN
     assert report.bytes_written == tokens * LAYERS * 2 * HEADS * HEAD_SIZE * 4
     sent = cells(pair["p_layout"], p_blocks, P_BLOCK, 0, range(first, tokens))
-    arrived = cells(pair["d_layout"], d_blocks, D_BLOCK, first, range(first, tokens))
-    np.testing.assert_array_equal(arrived, sent)
+    received = cells(pair["d_layout"], d_blocks, D_BLOCK, first, range(first, tokens))
+    np.testing.assert_array_equal(received, sent)
     assert np.any(sent != 0)
 
 
@@ -149,7 +143,7 @@ def test_source_then_late_order_with_a_locally_cached_prefix(pair):
     producer.source_ready(source("t2", "p-req2", p_blocks, tokens))
     consumer.expect(RecvExpected("d-req2", "t2", 1, time.time_ns(), ""))
     producer.on_order_stream(order("t2", d_blocks, first, tokens - first))
-    assert wait(lambda: received(consumer))[0] == {"d-req2"}
+    assert wait(lambda: consumer.take_results()[0] if consumer.ready.wait(0.05) else None) == {"d-req2"}
     sent = cells(pair["p_layout"], p_blocks, P_BLOCK, 0, range(first, tokens))
     np.testing.assert_array_equal(cells(pair["d_layout"], d_blocks, D_BLOCK, first, range(first, tokens)), sent)
 
@@ -183,9 +177,9 @@ def test_consumer_fails_on_instruction_and_ignores_strangers(pair):
     consumer.expect(RecvExpected("d-req5", "t5", 1, time.time_ns(), ""))
     consumer.fail("d-req5", "broker ended it")
     consumer.fail("unknown-req", "never expected")
-    finished, failed = consumer.take_results()
+    finished, failed = wait(lambda: consumer.take_results() if consumer.ready.wait(0.05) else None)
     assert finished == {"d-req5"} and failed == {"d-req5"}
-    assert consumer.take_results(wait_s=0.05) == (set(), set())  # nothing left pending
+    assert not consumer.has_work()
 
 
 def test_notification_format_round_trips():
