@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.services.router.core import PULL_PREFILL_PARAMS
 from tests.e2e.harness import (
     Completion,
     ServerHandle,
@@ -52,17 +53,6 @@ CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
 SIDE_CHANNEL_HOST = "127.0.0.1"
 PREFILL_ENGINE_ID = "upstream-prefill"
 DECODE_ENGINE_ID = "upstream-decode"
-
-# P leg parameters of both upstream routers (tests/v1/kv_connector/nixl_integration/toy_proxy_server.py).
-PREFILL_LEG_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
 
 @dataclass
 class UpstreamPair:
@@ -175,7 +165,7 @@ def pull_route(pair: UpstreamPair, prompt: str | Sequence[int], max_tokens: int)
     """Upstream pull router: P leg (`max_tokens=1`), then D streams with P's `kv_transfer_params`."""
     t0 = time.monotonic()
     headers = {"X-Request-Id": uuid.uuid4().hex}
-    prefill = completions(pair.prefill.url, prompt, 1, kv_transfer_params=PREFILL_LEG_PARAMS, headers=headers)
+    prefill = completions(pair.prefill.url, prompt, 1, kv_transfer_params=PULL_PREFILL_PARAMS, headers=headers)
     prefill_leg_s = time.monotonic() - t0
     if not prefill.kv_transfer_params:
         raise RuntimeError("P returned no kv_transfer_params: is it running NixlConnector as kv_producer?")
@@ -210,7 +200,7 @@ def push_route(pair: UpstreamPair, prompt: str | Sequence[int], max_tokens: int,
     headers = {"X-Request-Id": request_id}
 
     def prefill_leg() -> tuple[Completion, float]:
-        out = completions(pair.prefill.url, prompt, 1, kv_transfer_params=PREFILL_LEG_PARAMS, headers=headers)
+        out = completions(pair.prefill.url, prompt, 1, kv_transfer_params=PULL_PREFILL_PARAMS, headers=headers)
         return out, time.monotonic() - t0
 
     future = executor.submit(prefill_leg)

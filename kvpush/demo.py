@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvpush.processes import group_members
 from kvpush.report.breakdown import breakdown
 from kvpush.report.render import html_report, text_table, write_png
 from kvpush.telemetry import read_spans
@@ -93,23 +94,6 @@ class Process:
                 time.sleep(0.1)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)
-
-
-def group_members(group: int) -> list[int]:
-    """Live (not zombie) processes of a process group: an engine's API server, engine core and workers share one."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        state, _, pgrp = stat[stat.rfind(")") + 2 :].split()[:3]
-        if int(pgrp) == group and state != "Z":
-            members.append(int(entry))
-    return members
 
 
 class Stack:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.demo import group_members
+from kvpush.processes import group_members
 from kvpush.report.breakdown import SEGMENTS
 
 pytestmark = pytest.mark.engine

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvpush.processes import group_members
+
 SERVED_MODEL_NAME = "tiny"
 DEFAULT_MAX_MODEL_LEN = 4096
 DEFAULT_START_TIMEOUT_S = 180.0
@@ -77,23 +79,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
-def process_group_pids(pgid: int) -> list[int]:
-    """Live processes whose process group is `pgid`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        fields = stat[stat.rfind(")") + 2:].split()
-        if int(fields[2]) == pgid:
-            pids.append(int(entry))
-    return sorted(pids)
-
-
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds a process has used (all its threads); 0 if gone."""
     try:
@@ -125,6 +110,21 @@ def pin_threads(pids: Sequence[int], cpus: set[int]) -> None:
                 os.sched_setaffinity(tid, cpus)
             except OSError:
                 pass
+
+
+def wait_for_port_file(process: subprocess.Popen, port_file: Path, timeout: float, what: str, log_path: Path) -> int:
+    """The port a service started with --port-file writes once it serves; bounded, and the process is killed on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}:\n{log_tail(log_path)}")
+        text = port_file.read_text().strip() if port_file.exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.05)
+    process.kill()
+    process.wait(5)
+    raise RuntimeError(f"{what} did not start within {timeout:g} s")
 
 
 def pss_bytes(pid: int) -> int:
@@ -163,7 +163,7 @@ class ServerHandle:
 
     def pids(self) -> list[int]:
         """The server's processes: API server, engine core, workers, helpers."""
-        return process_group_pids(self.pid)
+        return group_members(self.pid)
 
     def cpu_seconds(self) -> float:
         """CPU seconds used so far by all of the server's live processes."""
@@ -191,9 +191,9 @@ class ServerHandle:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             pass
-        while process_group_pids(pgid) and time.monotonic() < deadline:
+        while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if process_group_pids(pgid):
+        if group_members(pgid):
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:

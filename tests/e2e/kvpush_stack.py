@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.harness import Completion, completions, log_tail
+from tests.e2e.harness import Completion, completions, wait_for_port_file
 
 CONTROL_PLANE_START_TIMEOUT_S = 30.0
 
@@ -81,16 +81,8 @@ def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str]
     ]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                env={**os.environ, **(env or {})}, start_new_session=True)
-    deadline = time.monotonic() + CONTROL_PLANE_START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"control plane exited with {process.returncode}:\n{log_tail(work_dir / 'control-plane.log')}")
-        text = port_file.read_text().strip() if port_file.exists() else ""
-        if text:
-            return ControlPlaneHandle(process, int(text), work_dir)
-        time.sleep(0.05)
-    process.kill()
-    raise RuntimeError(f"control plane did not start within {CONTROL_PLANE_START_TIMEOUT_S:.0f} s")
+    port = wait_for_port_file(process, port_file, CONTROL_PLANE_START_TIMEOUT_S, "control plane", work_dir / "control-plane.log")
+    return ControlPlaneHandle(process, port, work_dir)
 
 
 def kvpush_transfer_config(role: str, engine_id: str, control_plane: ControlPlaneHandle, **extra: object) -> dict:

@@ -1,0 +1,68 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""bench/sweep.py's engine-free logic: run names, the grid, workloads and the target verdicts."""
+
+from __future__ import annotations
+
+from bench.sweep import Point, build_grid, make_workload, requests_for, targets
+
+MODES = ("kvpush", "upstream-push", "pull")
+
+
+def test_run_names_follow_the_seed_study():
+    assert Point(1024, 4.0, 128, 2).run_name("kvpush") == "kvpush_qps4_in1024_out128_iter2"
+    assert Point(256, 0.5, 16, 1).run_name("pull") == "pull_qps0.5_in256_out16_iter1"
+
+
+def test_grid_puts_iterations_outermost_and_covers_every_point_once_per_iteration():
+    grid = build_grid([256, 1024], [1, 4], [16], iterations=2)
+    assert len(grid) == 8 and len(set(grid)) == 8
+    assert {p.iteration for p in grid[:4]} == {1} and {p.iteration for p in grid[4:]} == {2}
+    assert {(p.input_len, p.qps) for p in grid[:4]} == {(256, 1), (256, 4), (1024, 1), (1024, 4)}
+
+
+def test_workloads_are_reproducible_and_spread_the_checked_requests():
+    point = Point(256, 8.0, 16, 1)
+    n = requests_for(8.0, 12.0, 24)
+    a, b = make_workload(point, n, 4, seed=0), make_workload(point, n, 4, seed=0)
+    assert n == 96 and a.prompts == b.prompts and a.offsets_s == b.offsets_s
+    assert a.checked == [0, 32, 63, 95] and all(len(p) == 256 for p in a.prompts)
+    assert a.offsets_s == sorted(a.offsets_s) and a.offsets_s[0] == 0.0
+    assert make_workload(Point(256, 8.0, 16, 2), n, 4, seed=0).prompts != a.prompts
+    assert requests_for(1.0, 12.0, 24) == 24
+
+
+def row(qps, kvpush, upstream_push, pull, tpot_ratio, overheads=(4.0,), sustained=True):
+    """One point_table row as the report builds it (pooled p50s per mode)."""
+    ttfts = {"kvpush": kvpush, "upstream-push": upstream_push, "pull": pull}
+    modes = {m: {"ttft_p50_ms": t, "sustained": sustained} for m, t in ttfts.items()}
+    modes["kvpush"]["handoff_overhead_p50_ms_per_iteration"] = list(overheads)
+    return {"input_len": 256, "output_len": 16, "qps": qps, "modes": modes,
+            "ttft_ratio_best_upstream_over_kvpush": min(upstream_push, pull) / kvpush,
+            "tpot_ratio_kvpush_over_upstream_push": tpot_ratio}
+
+
+def test_targets_met_when_kvpush_wins_everywhere_by_enough_at_the_top_load():
+    verdict = targets([row(1, 30.0, 33.0, 35.0, 0.9), row(8, 40.0, 52.0, 50.0, 1.0)], MODES)
+    assert verdict["ttft_below_both_everywhere"]["met"]
+    assert verdict["ttft_ratio_at_high_load"]["met"]
+    assert verdict["ttft_ratio_at_high_load"]["per_series"][0]["highest_qps_all_modes_keep_up"] == 8
+    assert verdict["tpot_no_worse_than_upstream_push"]["met"]
+    assert verdict["handoff_overhead_p50"]["met"]
+
+
+def test_targets_name_the_points_that_miss():
+    rows = [row(1, 30.0, 29.0, 35.0, 1.2, overheads=(6.0, 4.0)), row(8, 40.0, 45.0, 44.0, 0.9),
+            row(16, 90.0, 80.0, 85.0, 1.0, sustained=False)]
+    verdict = targets(rows, MODES)
+    assert verdict["ttft_below_both_everywhere"] == {"met": False, "points": 3, "missed_at": [(256, 16, 1), (256, 16, 16)]}
+    high = verdict["ttft_ratio_at_high_load"]
+    # QPS 16 did not keep up, so the judged point is QPS 8, where 44/40 = 1.1 < 1.25.
+    assert not high["met"] and high["per_series"][0]["highest_qps_all_modes_keep_up"] == 8
+    assert high["per_series"][0]["highest_qps"] == 16
+    assert verdict["tpot_no_worse_than_upstream_push"]["worse_at"] == [(256, 16, 1, 1.2)]
+    assert verdict["handoff_overhead_p50"]["above_target_at"] == [(256, 16, 1)]
+
+
+def test_targets_need_all_three_modes():
+    assert targets([row(1, 30.0, 33.0, 35.0, 0.9)], ("kvpush", "upstream-push")) == {"note": "targets need all three modes"}
