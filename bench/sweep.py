@@ -88,6 +88,7 @@ from tests.e2e.harness import (
     reference_run,
     scrape_metrics,
     start_vllm_server,
+    stop_process,
     wait_for_port_file,
 )
 from tests.e2e.kvpush_stack import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
@@ -203,13 +204,7 @@ class RouterHandle:
         return f"http://127.0.0.1:{self.port}"
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process, timeout)
 
 
 def start_router(name: str, router_mode: str, prefill: str, decode: str, work: Path, env: dict[str, str], extra: Sequence[str]) -> RouterHandle:

@@ -411,16 +411,7 @@ class BrokerCore:
                 self._supersede_older(att, now)
             return self._destination_response(att)
 
-        src = src_req.source
-        if src.num_tokens < dest.first_token + dest.num_tokens:
-            error = FailedPrecondition(
-                f"the prefill side computed {src.num_tokens} tokens; the destination needs {dest.first_token + dest.num_tokens}",
-                reason=Reason.TOKEN_COUNT_MISMATCH,
-                field="destination.num_tokens",
-            )
-            att.rejection = (tr_pb.TRANSFER_SIDE_DECODE, error)
-            self._end(att, _FAILED, tr_pb.END_REASON_TOKEN_COUNT_MISMATCH, error.message, now)
-            raise error
+        self._check_token_counts(att, src_req.source, dest, tr_pb.TRANSFER_SIDE_DECODE, now)
         self._match(att, parent, now)
         return self._destination_response(att)
 
@@ -498,18 +489,24 @@ class BrokerCore:
                 self._supersede_older(att, now)
             return self._prefill_response(att)
 
-        dest = dest_req.destination
-        if src.num_tokens < dest.first_token + dest.num_tokens:
-            error = FailedPrecondition(
-                f"the destination needs {dest.first_token + dest.num_tokens} tokens; the prefill side computed {src.num_tokens}",
-                reason=Reason.TOKEN_COUNT_MISMATCH,
-                field="source.num_tokens",
-            )
-            att.rejection = (tr_pb.TRANSFER_SIDE_PREFILL, error)
-            self._end(att, _FAILED, tr_pb.END_REASON_TOKEN_COUNT_MISMATCH, error.message, now)
-            raise error
+        self._check_token_counts(att, src, dest_req.destination, tr_pb.TRANSFER_SIDE_PREFILL, now)
         self._match(att, parent, now)
         return self._prefill_response(att)
+
+    def _check_token_counts(self, att: Attempt, src: tr_pb.Source, dest: tr_pb.Destination, second: int, now: float) -> None:
+        """The second arrival completes the rendezvous only if P computed every token D wants; else both sides fail."""
+        needed = dest.first_token + dest.num_tokens
+        if src.num_tokens >= needed:
+            return
+        field = "destination.num_tokens" if second == tr_pb.TRANSFER_SIDE_DECODE else "source.num_tokens"
+        error = FailedPrecondition(
+            f"the prefill side computed {src.num_tokens} tokens; the destination needs {needed}",
+            reason=Reason.TOKEN_COUNT_MISMATCH,
+            field=field,
+        )
+        att.rejection = (second, error)
+        self._end(att, _FAILED, tr_pb.END_REASON_TOKEN_COUNT_MISMATCH, error.message, now)
+        raise error
 
     # ----- producer ranks -----
 

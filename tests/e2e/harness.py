@@ -112,6 +112,17 @@ def pin_threads(pids: Sequence[int], cpus: set[int]) -> None:
                 pass
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM (graceful shutdown), then SIGKILL if it is still there after `timeout`."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
 def wait_for_port_file(process: subprocess.Popen, port_file: Path, timeout: float, what: str, log_path: Path) -> int:
     """The port a service started with --port-file writes once it serves; bounded, and the process is killed on timeout."""
     deadline = time.monotonic() + timeout

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e.harness import Completion, completions, wait_for_port_file
+from tests.e2e.harness import Completion, completions, stop_process, wait_for_port_file
 
 CONTROL_PLANE_START_TIMEOUT_S = 30.0
 
@@ -49,13 +48,7 @@ class ControlPlaneHandle:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (graceful shutdown), then SIGKILL if it is still there after `timeout`."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+        stop_process(self.process, timeout)
 
     def kill(self) -> None:
         """Abrupt death (SIGKILL), as a crash would."""

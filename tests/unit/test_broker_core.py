@@ -488,6 +488,17 @@ def test_too_few_prefill_tokens_fail_the_attempt_and_tell_both_sides():
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_TOKEN_COUNT_MISMATCH)]
 
 
+def test_a_registration_wanting_more_tokens_than_prefill_computed_fails_the_attempt():
+    h = Harness(early=False)
+    h.prefill_done(num_tokens=32)
+    error = expect(errors.FailedPrecondition, Reason.TOKEN_COUNT_MISMATCH, "destination.num_tokens", h.register, num_tokens=40)
+    assert "32" in error.message and "40" in error.message
+    transfer = h.broker.get_transfer("t1", 1)
+    assert (transfer.state, transfer.end_reason) == (S.TRANSFER_STATE_FAILED, S.END_REASON_TOKEN_COUNT_MISMATCH)
+    assert ("order", "t1", 1) not in h.kinds()
+    assert h.events() == [("t1", 1, ENDED, S.END_REASON_TOKEN_COUNT_MISMATCH)]
+
+
 def test_a_partially_cached_destination_needs_only_its_tail():
     h = Harness()
     h.prefill_done(num_tokens=40)
