@@ -1,0 +1,292 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""The sweep's report: per-point tables, the kvpush breakdown, every mode from outside, and the targets.
+
+Reads the per-run JSON files `bench/sweep.py` writes (`<mode>_qps<q>_in<in>_out<out>_iter<i>.json`)
+and prints them as text tables (and Markdown), with the targets judged on the pooled p50s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvpush.report.breakdown import SEGMENTS, percentile
+
+# Targets (issue "Benchmarks: reproduce the push-vs-pull study on this machine").
+TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.25
+TARGET_HANDOFF_OVERHEAD_MS = 5.0
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    path.write_text(json.dumps(document, indent=1, default=str), encoding="utf-8")
+
+
+def load_results(results_dir: Path) -> list[dict[str, Any]]:
+    documents = []
+    for path in sorted(results_dir.glob("*_qps*_in*_out*_iter*.json")):
+        documents.append(json.loads(path.read_text()))
+    return documents
+
+
+def pooled(documents: Sequence[dict[str, Any]], key: str) -> float | None:
+    """p50 over every request of the documents' runs (iterations pooled)."""
+    values = [r[key] for d in documents for r in d["requests"] if r[key] is not None and not r["error"]]
+    return percentile(values, 50) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None or b == 0 else a / b
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def point_table(documents: Sequence[dict[str, Any]], modes: Sequence[str]) -> list[dict[str, Any]]:
+    """One row per (input, output, QPS): pooled p50s per mode, per-iteration p50s, ratios and checks."""
+    groups: dict[tuple[int, int, float], dict[str, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for d in documents:
+        p = d["point"]
+        groups[(p["input_len"], p["output_len"], p["qps"])][d["mode"]].append(d)
+    rows = []
+    for (input_len, output_len, qps), by_mode in sorted(groups.items()):
+        row: dict[str, Any] = {"input_len": input_len, "output_len": output_len, "qps": qps, "modes": {}}
+        for mode in modes:
+            runs = [d for d in by_mode.get(mode, []) if "summary" in d]
+            skipped = [d["skipped"] for d in by_mode.get(mode, []) if "skipped" in d]
+            row["modes"][mode] = {
+                "runs": len(runs),
+                "skipped": skipped[:1],
+                "ttft_p50_ms": pooled(runs, "ttft_ms"),
+                "tpot_p50_ms": pooled(runs, "tpot_ms"),
+                "ttft_p50_per_iteration": [d["summary"]["ttft_ms"]["p50"] for d in runs],
+                "tpot_p50_per_iteration": [d["summary"]["tpot_ms"]["p50"] for d in runs],
+                "sustained": bool(runs) and all(d["summary"]["sustained"] for d in runs),
+                "correct": bool(runs) and all(d["summary"]["correctness"]["ok"] for d in runs),
+                "kv_ok": bool(runs) and all(d["summary"]["kv_bytes"]["ok"] for d in runs),
+                "failed_requests": sum(d["summary"]["failed"] for d in runs),
+            }
+            if mode == "kvpush" and runs:
+                overhead = [d["summary"]["breakdown"]["rows"]["handoff_overhead"]["p50"] for d in runs if "breakdown" in d["summary"]]
+                row["modes"][mode]["handoff_overhead_p50_ms_per_iteration"] = overhead
+        kv = row["modes"].get("kvpush", {})
+        upstream = [row["modes"][m]["ttft_p50_ms"] for m in ("upstream-push", "pull") if m in row["modes"] and row["modes"][m]["ttft_p50_ms"] is not None]
+        best_upstream = min(upstream) if upstream else None
+        row["best_upstream_ttft_p50_ms"] = best_upstream
+        row["ttft_ratio_best_upstream_over_kvpush"] = ratio(best_upstream, kv.get("ttft_p50_ms"))
+        row["tpot_ratio_kvpush_over_upstream_push"] = ratio(kv.get("tpot_p50_ms"), row["modes"].get("upstream-push", {}).get("tpot_p50_ms"))
+        rows.append(row)
+    return rows
+
+
+def kvpush_breakdown_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point: mean over iterations of each kvpush segment's p50 (ms)."""
+    groups: dict[tuple[int, int, float], list[dict[str, Any]]] = defaultdict(list)
+    for d in documents:
+        if d["mode"] == "kvpush" and "breakdown" in d.get("summary", {}):
+            p = d["point"]
+            groups[(p["input_len"], p["output_len"], p["qps"])].append(d["summary"]["breakdown"]["rows"])
+    table = []
+    names = [s.name for s in SEGMENTS] + ["ttft", "handoff_overhead"]
+    for (input_len, output_len, qps), runs in sorted(groups.items()):
+        cells = {}
+        for name in names:
+            values = [r[name]["p50"] for r in runs if r.get(name, {}).get("p50") is not None]
+            cells[name] = sum(values) / len(values) if values else None
+        table.append({"input_len": input_len, "output_len": output_len, "qps": qps, "segments_p50_ms": cells})
+    return table
+
+
+def measured_kv_bytes(kv: dict[str, Any]) -> float | None:
+    """Bytes a run moved per request: upstream's NIXL metric per request; kvpush's broker figure when every transfer wrote the same."""
+    if "bytes_per_request" in kv:
+        return kv["bytes_per_request"]
+    values = kv.get("distinct_values") or []
+    return values[0] if len(values) == 1 else None
+
+
+def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per point and mode: router P leg, TTFT after the P leg, engine queue/prefill means (ms; mean over iterations)."""
+    groups: dict[tuple[int, int, float, str], list[dict[str, Any]]] = defaultdict(list)
+    for d in documents:
+        if "summary" in d:
+            p = d["point"]
+            groups[(p["input_len"], p["output_len"], p["qps"], d["mode"])].append(d["summary"])
+
+    def mean(values: Iterable[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return sum(present) / len(present) if present else None
+
+    table = []
+    for (input_len, output_len, qps, mode), runs in sorted(groups.items()):
+        table.append({
+            "input_len": input_len, "output_len": output_len, "qps": qps, "mode": mode,
+            "p_leg_p50_ms": mean(r["router"]["p_leg_ms"]["p50"] for r in runs),
+            "after_p_leg_p50_ms": mean(r["router"]["after_p_leg_ms"]["p50"] for r in runs),
+            "p_queue_mean_ms": mean(r["engines"]["P"]["queue_s"] for r in runs),
+            "p_prefill_mean_ms": mean(r["engines"]["P"]["prefill_s"] for r in runs),
+            "d_queue_mean_ms": mean(r["engines"]["D"]["queue_s"] for r in runs),
+            "d_prefill_mean_ms": mean(r["engines"]["D"]["prefill_s"] for r in runs),
+            "kv_bytes_per_request": mean(measured_kv_bytes(r["kv_bytes"]) for r in runs),
+            "cores_p": mean(r["cores_used"][mode]["P"] for r in runs),
+            "cores_d": mean(r["cores_used"][mode]["D"] for r in runs),
+            "cores_other_stacks": mean(sum(sum(parts.values()) for m, parts in r["cores_used"].items() if m != mode) for r in runs),
+        })
+    return table
+
+
+def targets(rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, Any]:
+    """The three targets, judged on the pooled p50s of this one results directory."""
+    verdict: dict[str, Any] = {}
+    if not {"kvpush", "upstream-push", "pull"} <= set(modes):
+        return {"note": "targets need all three modes"}
+    below_both = [r for r in rows if all(r["modes"][m]["ttft_p50_ms"] is not None for m in ("kvpush", "upstream-push", "pull"))]
+    misses = [r for r in below_both if not r["modes"]["kvpush"]["ttft_p50_ms"] < min(r["modes"]["upstream-push"]["ttft_p50_ms"], r["modes"]["pull"]["ttft_p50_ms"])]
+    verdict["ttft_below_both_everywhere"] = {"met": not misses and bool(below_both), "points": len(below_both),
+                                              "missed_at": [(r["input_len"], r["output_len"], r["qps"]) for r in misses]}
+    high = []
+    for key in sorted({(r["input_len"], r["output_len"]) for r in rows}):
+        series = [r for r in rows if (r["input_len"], r["output_len"]) == key]
+        all_keep_up = [r for r in series if all(r["modes"][m]["sustained"] for m in ("kvpush", "upstream-push", "pull"))]
+        top = max(all_keep_up, key=lambda r: r["qps"]) if all_keep_up else None
+        highest = max(series, key=lambda r: r["qps"])
+        high.append({
+            "input_len": key[0], "output_len": key[1],
+            "highest_qps_all_modes_keep_up": top["qps"] if top else None,
+            "ratio_there": top["ttft_ratio_best_upstream_over_kvpush"] if top else None,
+            "highest_qps": highest["qps"],
+            "ratio_at_highest_qps": highest["ttft_ratio_best_upstream_over_kvpush"],
+        })
+    verdict["ttft_ratio_at_high_load"] = {
+        "target": TARGET_TTFT_RATIO_AT_HIGH_LOAD,
+        "met": all(h["ratio_there"] is not None and h["ratio_there"] >= TARGET_TTFT_RATIO_AT_HIGH_LOAD for h in high) and bool(high),
+        "per_series": high,
+    }
+    tpot = [r for r in rows if r["tpot_ratio_kvpush_over_upstream_push"] is not None]
+    worse = [r for r in tpot if r["tpot_ratio_kvpush_over_upstream_push"] > 1.0]
+    verdict["tpot_no_worse_than_upstream_push"] = {"met": not worse and bool(tpot), "points": len(tpot),
+                                                   "worse_at": [(r["input_len"], r["output_len"], r["qps"], round(r["tpot_ratio_kvpush_over_upstream_push"], 3)) for r in worse]}
+    overheads = [(r, v) for r in rows for v in r["modes"]["kvpush"].get("handoff_overhead_p50_ms_per_iteration", []) if v is not None]
+    over = sorted({(r["input_len"], r["output_len"], r["qps"]) for r, v in overheads if v > TARGET_HANDOFF_OVERHEAD_MS})
+    verdict["handoff_overhead_p50"] = {"target_ms": TARGET_HANDOFF_OVERHEAD_MS, "met": not over and bool(overheads), "runs": len(overheads),
+                                       "above_target_at": over}
+    return verdict
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> str:
+    """Right-aligned text columns, or a Markdown table."""
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) + 2 for i, h in enumerate(headers)]
+    return "\n".join("".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in [headers, *rows])
+
+
+def report_tables(documents: Sequence[dict[str, Any]], modes: Sequence[str], markdown: bool) -> tuple[str, dict[str, Any]]:
+    """The report as text (or Markdown) and the figures behind it (written to summary.json)."""
+    rows = point_table(documents, modes)
+    out = ["TTFT / TPOT p50 (ms; the requests of all iterations pooled). ratio = better upstream TTFT / kvpush TTFT; "
+           "TPOT kv/up = kvpush TPOT / upstream-push TPOT; * = did not keep up with the offered load; ! = correctness or KV-bytes check failed",
+           ""]
+    headers = ["in", "out", "QPS"] + [f"{m} {k}" for m in modes for k in ("TTFT", "TPOT")] + ["ratio", "TPOT kv/up"]
+    cells = []
+    for r in rows:
+        line = [str(r["input_len"]), str(r["output_len"]), f"{r['qps']:g}"]
+        for m in modes:
+            c = r["modes"][m]
+            flag = ("" if c["sustained"] else "*") + ("" if c["correct"] and c["kv_ok"] else "!")
+            line += [_fmt(c["ttft_p50_ms"]) + flag if c["runs"] else "skipped", _fmt(c["tpot_p50_ms"], 2)]
+        line += [_fmt(r["ttft_ratio_best_upstream_over_kvpush"], 2), _fmt(r["tpot_ratio_kvpush_over_upstream_push"], 2)]
+        cells.append(line)
+    out.append(render_table(headers, cells, markdown))
+    breakdown_rows = kvpush_breakdown_table(documents)
+    if breakdown_rows:
+        names = [s.name for s in SEGMENTS] + ["ttft", "handoff_overhead"]
+        out += ["", "kvpush TTFT breakdown from its spans: p50 per segment (ms; mean of the iterations' p50s). Router-side TTFT; "
+                "handoff_overhead = TTFT - P prefill - D first decode step", ""]
+        out.append(render_table(["in", "out", "QPS", *names],
+                                [[str(b["input_len"]), str(b["output_len"]), f"{b['qps']:g}", *(_fmt(b["segments_p50_ms"][n], 2) for n in names)]
+                                 for b in breakdown_rows], markdown))
+    side = upstream_side_table(documents)
+    out += ["", "Every mode from outside the engines (ms; mean over iterations): router P leg p50 (router send -> P's answer), "
+            "TTFT after the P leg p50, vLLM's queue/prefill histogram means per engine, KV bytes per request, "
+            "cores used during the run by this mode's P and D and by the other stacks' processes", ""]
+    out.append(render_table(
+        ["in", "out", "QPS", "mode", "P leg", "TTFT after P leg", "P queue", "P prefill", "D queue", "D prefill", "KV B/req", "P cores", "D cores",
+         "other stacks cores"],
+        [[str(s["input_len"]), str(s["output_len"]), f"{s['qps']:g}", s["mode"], _fmt(s["p_leg_p50_ms"]), _fmt(s["after_p_leg_p50_ms"]),
+          _fmt(s["p_queue_mean_ms"]), _fmt(s["p_prefill_mean_ms"]), _fmt(s["d_queue_mean_ms"]), _fmt(s["d_prefill_mean_ms"]),
+          _fmt(s["kv_bytes_per_request"], 0), _fmt(s["cores_p"], 2), _fmt(s["cores_d"], 2), _fmt(s["cores_other_stacks"], 3)] for s in side],
+        markdown))
+    verdict = targets(rows, modes)
+    out += ["", *verdict_lines(verdict)]
+    correctness = {m: all(r["modes"][m]["correct"] for r in rows if r["modes"][m]["runs"]) for m in modes}
+    kv_ok = {m: all(r["modes"][m]["kv_ok"] for r in rows if r["modes"][m]["runs"]) for m in modes}
+    out.append(f"correctness vs the single engine (every run): {correctness}; KV bytes as expected (every run): {kv_ok}")
+    figures = {"points": rows, "kvpush_breakdown": breakdown_rows, "outside_view": side, "targets": verdict, "correctness": correctness,
+               "kv_bytes_ok": kv_ok}
+    return "\n".join(out), figures
+
+
+def verdict_lines(verdict: dict[str, Any]) -> list[str]:
+    """The targets as sentences."""
+    if "note" in verdict:
+        return [f"targets: {verdict['note']}"]
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    below = verdict["ttft_below_both_everywhere"]
+    lines = [f"target: kvpush p50 TTFT below both upstream modes at every point: {met(below['met'])} "
+             f"({below['points'] - len(below['missed_at'])} of {below['points']} points; missed at (in, out, QPS) {below['missed_at']})"]
+    high = verdict["ttft_ratio_at_high_load"]
+    lines.append(f"target: >= {high['target']}x better than the better upstream mode at the highest load all modes keep up with: {met(high['met'])}")
+    for h in high["per_series"]:
+        lines.append(f"  in {h['input_len']} out {h['output_len']}: highest QPS all modes keep up {h['highest_qps_all_modes_keep_up']}, ratio "
+                     f"{_fmt(h['ratio_there'], 2)}; at the grid's highest QPS {h['highest_qps']:g}: {_fmt(h['ratio_at_highest_qps'], 2)}")
+    tpot = verdict["tpot_no_worse_than_upstream_push"]
+    lines.append(f"target: kvpush TPOT p50 no worse than upstream push's anywhere: {met(tpot['met'])} "
+                 f"(worse at {len(tpot['worse_at'])} of {tpot['points']} points; (in, out, QPS, ratio): {tpot['worse_at']})")
+    overhead = verdict["handoff_overhead_p50"]
+    lines.append(f"target: kvpush hand-off overhead p50 <= {overhead['target_ms']} ms: {met(overhead['met'])} "
+                 f"(above it in {len(overhead['above_target_at'])} points of {overhead['runs']} runs' p50s)")
+    return lines
+
+
+def report(results_dir: Path, modes: Sequence[str], markdown: Path | None = None) -> int:
+    """Prints the tables and the targets; writes summary.json, points.json (the tables' figures) and, when asked, the tables as Markdown."""
+    documents = load_results(results_dir)
+    if not documents:
+        print(f"no results in {results_dir}", file=sys.stderr)
+        return 1
+    modes = [m for m in modes if any(d["mode"] == m for d in documents)]
+    text, figures = report_tables(documents, modes, markdown=False)
+    print("\n" + text)
+    if markdown is not None:
+        markdown.write_text(report_tables(documents, modes, markdown=True)[0] + "\n", encoding="utf-8")
+    summaries = [{k: v for k, v in d.items() if k != "requests"} for d in documents]
+    for s in summaries:
+        if "summary" in s:
+            s["summary"] = dict(s["summary"], correctness={k: v for k, v in s["summary"]["correctness"].items() if k != "outcomes"})
+    write_json(results_dir / "summary.json", {**figures, "runs": summaries})
+    # The tables' figures alone, rounded: small enough to keep beside the docs.
+    write_json(results_dir / "points.json", rounded(figures))
+    return 0
+
+
+def rounded(value: Any, digits: int = 2) -> Any:
+    """`value` with every float rounded to `digits` decimals (dicts, lists and tuples walked)."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
