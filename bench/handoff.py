@@ -30,11 +30,22 @@ from tests.e2e.harness import prompt_token_ids, start_vllm_server
 from tests.e2e.kvpush_stack import dispatch, kvpush_transfer_config, start_control_plane
 
 TARGET_P50_MS = 1.0
+NEEDED_SPANS = ("p.prefill", "p.descriptor_prep", "p.write_post")
+SPANS_TIMEOUT_S = 10.0
 
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def spans_by_transfer(traces: Path) -> dict[str, dict[str, dict]]:
+    by_transfer: dict[str, dict[str, dict]] = {}
+    for span in read_spans(traces) if traces.exists() else []:
+        tid = span["attributes"].get("kvpush.transfer_id")
+        if tid:
+            by_transfer.setdefault(tid, {})[span["name"]] = span
+    return by_transfer
 
 
 def run_mode(work: Path, model_dir: Path, early_orders: bool, args) -> dict:
@@ -71,20 +82,22 @@ def run_mode(work: Path, model_dir: Path, early_orders: bool, args) -> dict:
         for t in threads:
             t.join(timeout=600)
         elapsed = time.monotonic() - t0
+        # Read the spans while the engines still run: spans in an engine's
+        # export batch when it is stopped would be lost.
+        deadline = time.monotonic() + SPANS_TIMEOUT_S
+        while True:
+            by_transfer = spans_by_transfer(traces)
+            if all(all(n in by_transfer.get(tid, {}) for n in NEEDED_SPANS) for tid in measured) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
     finally:
         for server in servers:
             server.stop()
         control_plane.stop()
-    spans = read_spans(traces)
-    by_transfer: dict[str, dict[str, dict]] = {}
-    for span in spans:
-        tid = span["attributes"].get("kvpush.transfer_id")
-        if tid:
-            by_transfer.setdefault(tid, {})[span["name"]] = span
     handoff_ms, wake_ms, prep_ms, post_ms = [], [], [], []
     for tid in measured:
         named = by_transfer.get(tid, {})
-        if all(n in named for n in ("p.prefill", "p.descriptor_prep", "p.write_post")):
+        if all(n in named for n in NEEDED_SPANS):
             ready, prep, post = named["p.prefill"]["end_ns"], named["p.descriptor_prep"], named["p.write_post"]
             handoff_ms.append((post["end_ns"] - ready) / 1e6)
             wake_ms.append((prep["start_ns"] - ready) / 1e6)  # until the transfer thread has the source and the order
