@@ -279,20 +279,21 @@ class Producer:
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
             return  # the registrar's view of the decode engine hasn't arrived yet
         del self._orders[key]
-        # A P-side segment belongs under P's request; the broker's context (D's registration
-        # for an early order) is kept as a link.
-        self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, source.ready, links=(_OrderRef(order.order).traceparent,), early=not order.order.HasField("source"))
+        job = Job(key, source, order)
         if time.monotonic() > order.write_by:
             logger.warning("kvpush producer: order %s arrived too late to write; dropping", key)
-            self._answer(key, transfer_pb2.WRITE_OUTCOME_REVOKED, Job(key, source, order))
-            return
-        job = Job(key, source, order)
-        self._jobs[key] = job
-        try:
-            self._post(job, peer)
-        except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
-            logger.exception("kvpush producer: WRITE for %s could not be posted", key)
-            job.failed = str(exc)
+            self._answer(key, transfer_pb2.WRITE_OUTCOME_REVOKED, job)
+        else:
+            self._jobs[key] = job
+            try:
+                self._post(job, peer)
+            except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
+                logger.exception("kvpush producer: WRITE for %s could not be posted", key)
+                job.failed = str(exc)
+        # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
+        # under P's request; the broker's context (D's registration for an early order) is a link.
+        self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, source.ready,
+                        links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
 
     def _post(self, job: Job, peer: Peer) -> None:
         ready, order = job.source.ready, job.order.order
@@ -382,29 +383,6 @@ class Producer:
             if written_ns:
                 self._written[source.ready.req_id] = (written_ns, source.ready)
         self.ready.set()
-
-
-@dataclass(frozen=True)
-class _OrderRef:
-    """An order as Spans.emit wants a request: the transfer and the broker's trace context."""
-
-    order: transfer_pb2.WriteOrder
-
-    @property
-    def transfer_id(self) -> str:
-        return self.order.key.transfer_id
-
-    @property
-    def attempt(self) -> int:
-        return self.order.key.attempt
-
-    @property
-    def traceparent(self) -> str:
-        return self.order.trace_context.get("traceparent", "")
-
-    @property
-    def client_request_id(self) -> str:
-        return self.order.client_request_id
 
 
 def _concat(plans: list[Plan]) -> Plan:
