@@ -27,17 +27,19 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvpush.engine.v1 import engine_pb2 as kvpush_dot_engine_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+kvpush/registrar/v1/registrar_service.proto\x12\x13kvpush.registrar.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvpush/engine/v1/engine.proto\"\xc4\x01\n\x0eRegisteredRank\x12*\n\x04rank\x18\x01 \x01(\x0b\x32\x1c.kvpush.engine.v1.EngineRank\x12)\n\x04nixl\x18\x02 \x01(\x0b\x32\x1b.kvpush.engine.v1.NixlAgent\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.kvpush.engine.v1.KvLayout\x12/\n\x0b\x65xpire_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb2\x02\n\x06\x45ngine\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12*\n\x04role\x18\x03 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_size\x18\x05 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x06 \x01(\t\x12/\n\x05state\x18\x07 \x01(\x0e\x32 .kvpush.registrar.v1.EngineState\x12\x32\n\x05ranks\x18\x08 \x03(\x0b\x32#.kvpush.registrar.v1.RegisteredRank\x12\x31\n\rregister_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe8\x01\n\x19RegisterEngineRankRequest\x12*\n\x04rank\x18\x01 \x01(\x0b\x32\x1c.kvpush.engine.v1.EngineRank\x12)\n\x04nixl\x18\x02 \x01(\x0b\x32\x1b.kvpush.engine.v1.NixlAgent\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.kvpush.engine.v1.KvLayout\x12\x1a\n\x12\x63ompatibility_hash\x18\x04 \x01(\t\x12,\n\tlease_ttl\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa3\x01\n\x1aRegisterEngineRankResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x65ngine_token\x18\x04 \x01(\t\"%\n\x10KeepAliveRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"_\n\x11KeepAliveResponse\x12/\n\x0b\x65xpire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11unknown_lease_ids\x18\x02 \x03(\t\"/\n\x1b\x44\x65registerEngineRankRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"K\n\x1c\x44\x65registerEngineRankResponse\x12+\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x1b.kvpush.registrar.v1.Engine\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"@\n\x11GetEngineResponse\x12+\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x1b.kvpush.registrar.v1.Engine\"@\n\x12ListEnginesRequest\x12*\n\x04role\x18\x01 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\"C\n\x13ListEnginesResponse\x12,\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1b.kvpush.registrar.v1.Engine\"A\n\x13WatchEnginesRequest\x12*\n\x04role\x18\x01 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\"\x87\x01\n\x14WatchEnginesResponse\x12\x32\n\x04type\x18\x01 \x01(\x0e\x32$.kvpush.registrar.v1.EngineEventType\x12+\n\x06\x65ngine\x18\x02 \x01(\x0b\x32\x1b.kvpush.registrar.v1.Engine\x12\x0e\n\x06reason\x18\x03 \x01(\t*t\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_STATE_PARTIAL\x10\x01\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x02\x12\x15\n\x11\x45NGINE_STATE_GONE\x10\x03*s\n\x0f\x45ngineEventType\x12!\n\x1d\x45NGINE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45NGINE_EVENT_TYPE_UPSERTED\x10\x01\x12\x1d\n\x19\x45NGINE_EVENT_TYPE_REMOVED\x10\x02\x32\x8b\x05\n\x10RegistrarService\x12u\n\x12RegisterEngineRank\x12..kvpush.registrar.v1.RegisterEngineRankRequest\x1a/.kvpush.registrar.v1.RegisterEngineRankResponse\x12^\n\tKeepAlive\x12%.kvpush.registrar.v1.KeepAliveRequest\x1a&.kvpush.registrar.v1.KeepAliveResponse(\x01\x30\x01\x12{\n\x14\x44\x65registerEngineRank\x12\x30.kvpush.registrar.v1.DeregisterEngineRankRequest\x1a\x31.kvpush.registrar.v1.DeregisterEngineRankResponse\x12Z\n\tGetEngine\x12%.kvpush.registrar.v1.GetEngineRequest\x1a&.kvpush.registrar.v1.GetEngineResponse\x12`\n\x0bListEngines\x12\'.kvpush.registrar.v1.ListEnginesRequest\x1a(.kvpush.registrar.v1.ListEnginesResponse\x12\x65\n\x0cWatchEngines\x12(.kvpush.registrar.v1.WatchEnginesRequest\x1a).kvpush.registrar.v1.WatchEnginesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+kvpush/registrar/v1/registrar_service.proto\x12\x13kvpush.registrar.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvpush/engine/v1/engine.proto\"\xc4\x01\n\x0eRegisteredRank\x12*\n\x04rank\x18\x01 \x01(\x0b\x32\x1c.kvpush.engine.v1.EngineRank\x12)\n\x04nixl\x18\x02 \x01(\x0b\x32\x1b.kvpush.engine.v1.NixlAgent\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.kvpush.engine.v1.KvLayout\x12/\n\x0b\x65xpire_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xb2\x02\n\x06\x45ngine\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12*\n\x04role\x18\x03 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07pp_size\x18\x05 \x01(\r\x12\x1a\n\x12\x63ompatibility_hash\x18\x06 \x01(\t\x12/\n\x05state\x18\x07 \x01(\x0e\x32 .kvpush.registrar.v1.EngineState\x12\x32\n\x05ranks\x18\x08 \x03(\x0b\x32#.kvpush.registrar.v1.RegisteredRank\x12\x31\n\rregister_time\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe8\x01\n\x19RegisterEngineRankRequest\x12*\n\x04rank\x18\x01 \x01(\x0b\x32\x1c.kvpush.engine.v1.EngineRank\x12)\n\x04nixl\x18\x02 \x01(\x0b\x32\x1b.kvpush.engine.v1.NixlAgent\x12*\n\x06layout\x18\x03 \x01(\x0b\x32\x1a.kvpush.engine.v1.KvLayout\x12\x1a\n\x12\x63ompatibility_hash\x18\x04 \x01(\t\x12,\n\tlease_ttl\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xa7\x01\n\x1aRegisterEngineRankResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12,\n\tlease_ttl\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x0b\x65xpire_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x0c\x65ngine_token\x18\x04 \x01(\tB\x02\x18\x01\"%\n\x10KeepAliveRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\"_\n\x11KeepAliveResponse\x12/\n\x0b\x65xpire_time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x19\n\x11unknown_lease_ids\x18\x02 \x03(\t\"/\n\x1b\x44\x65registerEngineRankRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"K\n\x1c\x44\x65registerEngineRankResponse\x12+\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x1b.kvpush.registrar.v1.Engine\"%\n\x10GetEngineRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"@\n\x11GetEngineResponse\x12+\n\x06\x65ngine\x18\x01 \x01(\x0b\x32\x1b.kvpush.registrar.v1.Engine\"@\n\x12ListEnginesRequest\x12*\n\x04role\x18\x01 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\"C\n\x13ListEnginesResponse\x12,\n\x07\x65ngines\x18\x01 \x03(\x0b\x32\x1b.kvpush.registrar.v1.Engine\"A\n\x13WatchEnginesRequest\x12*\n\x04role\x18\x01 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\"\x87\x01\n\x14WatchEnginesResponse\x12\x32\n\x04type\x18\x01 \x01(\x0e\x32$.kvpush.registrar.v1.EngineEventType\x12+\n\x06\x65ngine\x18\x02 \x01(\x0b\x32\x1b.kvpush.registrar.v1.Engine\x12\x0e\n\x06reason\x18\x03 \x01(\t*t\n\x0b\x45ngineState\x12\x1c\n\x18\x45NGINE_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45NGINE_STATE_PARTIAL\x10\x01\x12\x16\n\x12\x45NGINE_STATE_READY\x10\x02\x12\x15\n\x11\x45NGINE_STATE_GONE\x10\x03*s\n\x0f\x45ngineEventType\x12!\n\x1d\x45NGINE_EVENT_TYPE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45NGINE_EVENT_TYPE_UPSERTED\x10\x01\x12\x1d\n\x19\x45NGINE_EVENT_TYPE_REMOVED\x10\x02\x32\x8b\x05\n\x10RegistrarService\x12u\n\x12RegisterEngineRank\x12..kvpush.registrar.v1.RegisterEngineRankRequest\x1a/.kvpush.registrar.v1.RegisterEngineRankResponse\x12^\n\tKeepAlive\x12%.kvpush.registrar.v1.KeepAliveRequest\x1a&.kvpush.registrar.v1.KeepAliveResponse(\x01\x30\x01\x12{\n\x14\x44\x65registerEngineRank\x12\x30.kvpush.registrar.v1.DeregisterEngineRankRequest\x1a\x31.kvpush.registrar.v1.DeregisterEngineRankResponse\x12Z\n\tGetEngine\x12%.kvpush.registrar.v1.GetEngineRequest\x1a&.kvpush.registrar.v1.GetEngineResponse\x12`\n\x0bListEngines\x12\'.kvpush.registrar.v1.ListEnginesRequest\x1a(.kvpush.registrar.v1.ListEnginesResponse\x12\x65\n\x0cWatchEngines\x12(.kvpush.registrar.v1.WatchEnginesRequest\x1a).kvpush.registrar.v1.WatchEnginesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpush.registrar.v1.registrar_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINESTATE']._serialized_start=1780
-  _globals['_ENGINESTATE']._serialized_end=1896
-  _globals['_ENGINEEVENTTYPE']._serialized_start=1898
-  _globals['_ENGINEEVENTTYPE']._serialized_end=2013
+  _globals['_REGISTERENGINERANKRESPONSE'].fields_by_name['engine_token']._loaded_options = None
+  _globals['_REGISTERENGINERANKRESPONSE'].fields_by_name['engine_token']._serialized_options = b'\030\001'
+  _globals['_ENGINESTATE']._serialized_start=1784
+  _globals['_ENGINESTATE']._serialized_end=1900
+  _globals['_ENGINEEVENTTYPE']._serialized_start=1902
+  _globals['_ENGINEEVENTTYPE']._serialized_end=2017
   _globals['_REGISTEREDRANK']._serialized_start=165
   _globals['_REGISTEREDRANK']._serialized_end=361
   _globals['_ENGINE']._serialized_start=364
@@ -45,27 +47,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERENGINERANKREQUEST']._serialized_start=673
   _globals['_REGISTERENGINERANKREQUEST']._serialized_end=905
   _globals['_REGISTERENGINERANKRESPONSE']._serialized_start=908
-  _globals['_REGISTERENGINERANKRESPONSE']._serialized_end=1071
-  _globals['_KEEPALIVEREQUEST']._serialized_start=1073
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1110
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1112
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1207
-  _globals['_DEREGISTERENGINERANKREQUEST']._serialized_start=1209
-  _globals['_DEREGISTERENGINERANKREQUEST']._serialized_end=1256
-  _globals['_DEREGISTERENGINERANKRESPONSE']._serialized_start=1258
-  _globals['_DEREGISTERENGINERANKRESPONSE']._serialized_end=1333
-  _globals['_GETENGINEREQUEST']._serialized_start=1335
-  _globals['_GETENGINEREQUEST']._serialized_end=1372
-  _globals['_GETENGINERESPONSE']._serialized_start=1374
-  _globals['_GETENGINERESPONSE']._serialized_end=1438
-  _globals['_LISTENGINESREQUEST']._serialized_start=1440
-  _globals['_LISTENGINESREQUEST']._serialized_end=1504
-  _globals['_LISTENGINESRESPONSE']._serialized_start=1506
-  _globals['_LISTENGINESRESPONSE']._serialized_end=1573
-  _globals['_WATCHENGINESREQUEST']._serialized_start=1575
-  _globals['_WATCHENGINESREQUEST']._serialized_end=1640
-  _globals['_WATCHENGINESRESPONSE']._serialized_start=1643
-  _globals['_WATCHENGINESRESPONSE']._serialized_end=1778
-  _globals['_REGISTRARSERVICE']._serialized_start=2016
-  _globals['_REGISTRARSERVICE']._serialized_end=2667
+  _globals['_REGISTERENGINERANKRESPONSE']._serialized_end=1075
+  _globals['_KEEPALIVEREQUEST']._serialized_start=1077
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1114
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1116
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1211
+  _globals['_DEREGISTERENGINERANKREQUEST']._serialized_start=1213
+  _globals['_DEREGISTERENGINERANKREQUEST']._serialized_end=1260
+  _globals['_DEREGISTERENGINERANKRESPONSE']._serialized_start=1262
+  _globals['_DEREGISTERENGINERANKRESPONSE']._serialized_end=1337
+  _globals['_GETENGINEREQUEST']._serialized_start=1339
+  _globals['_GETENGINEREQUEST']._serialized_end=1376
+  _globals['_GETENGINERESPONSE']._serialized_start=1378
+  _globals['_GETENGINERESPONSE']._serialized_end=1442
+  _globals['_LISTENGINESREQUEST']._serialized_start=1444
+  _globals['_LISTENGINESREQUEST']._serialized_end=1508
+  _globals['_LISTENGINESRESPONSE']._serialized_start=1510
+  _globals['_LISTENGINESRESPONSE']._serialized_end=1577
+  _globals['_WATCHENGINESREQUEST']._serialized_start=1579
+  _globals['_WATCHENGINESREQUEST']._serialized_end=1644
+  _globals['_WATCHENGINESRESPONSE']._serialized_start=1647
+  _globals['_WATCHENGINESRESPONSE']._serialized_end=1782
+  _globals['_REGISTRARSERVICE']._serialized_start=2020
+  _globals['_REGISTRARSERVICE']._serialized_end=2671
 # @@protoc_insertion_point(module_scope)

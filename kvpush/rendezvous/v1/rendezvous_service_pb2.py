@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvpush.rendezvous.v1 import transfer_pb2 as kvpush_dot_rendezvous_dot_v1_dot_transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-kvpush/rendezvous/v1/rendezvous_service.proto\x12\x14kvpush.rendezvous.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#kvpush/rendezvous/v1/transfer.proto\"\xe6\x01\n\x1aRegisterDestinationRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x36\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32!.kvpush.rendezvous.v1.Destination\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xda\x01\n\x1bRegisterDestinationResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x39\n\rfirst_arrival\x18\x02 \x01(\x0e\x32\".kvpush.rendezvous.v1.TransferSide\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1e\n\x16\x65xpected_notifications\x18\x04 \x03(\r\"\xd9\x01\n\x18ReportPrefillDoneRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x03 \x01(\t\x12,\n\x06source\x18\x04 \x01(\x0b\x32\x1c.kvpush.rendezvous.v1.Source\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb8\x01\n\x19ReportPrefillDoneResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x39\n\rfirst_arrival\x18\x02 \x01(\x0e\x32\".kvpush.rendezvous.v1.TransferSide\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe1\x02\n\x18ReportWriteResultRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x33\n\x07outcome\x18\x05 \x01(\x0e\x32\".kvpush.rendezvous.v1.WriteOutcome\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x18\n\x10\x64\x65scriptor_count\x18\x07 \x01(\r\x12-\n\tpost_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x11transfer_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rerror_message\x18\n \x01(\t\"O\n\x19ReportWriteResultResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\"W\n\x15\x43\x61ncelTransferRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"L\n\x16\x43\x61ncelTransferResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\":\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"G\n\x13GetTransferResponse\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.kvpush.rendezvous.v1.Transfer\"z\n\x18StreamWriteOrdersRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x14\n\x0c\x65\x61rly_orders\x18\x05 \x01(\x08\"\xf8\x01\n\x19StreamWriteOrdersResponse\x12\x31\n\x05order\x18\x01 \x01(\x0b\x32 .kvpush.rendezvous.v1.WriteOrderH\x00\x12\x36\n\nrevocation\x18\x02 \x01(\x0b\x32 .kvpush.rendezvous.v1.RevocationH\x00\x12\x36\n\x06\x63losed\x18\x03 \x01(\x0b\x32$.kvpush.rendezvous.v1.TransferClosedH\x00\x12-\n\tsend_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.TimestampB\t\n\x07message\"E\n\x1bStreamTransferEventsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"R\n\x1cStreamTransferEventsResponse\x12\x32\n\x05\x65vent\x18\x01 \x01(\x0b\x32#.kvpush.rendezvous.v1.TransferEvent2\xc5\x06\n\x11RendezvousService\x12z\n\x13RegisterDestination\x12\x30.kvpush.rendezvous.v1.RegisterDestinationRequest\x1a\x31.kvpush.rendezvous.v1.RegisterDestinationResponse\x12t\n\x11ReportPrefillDone\x12..kvpush.rendezvous.v1.ReportPrefillDoneRequest\x1a/.kvpush.rendezvous.v1.ReportPrefillDoneResponse\x12t\n\x11ReportWriteResult\x12..kvpush.rendezvous.v1.ReportWriteResultRequest\x1a/.kvpush.rendezvous.v1.ReportWriteResultResponse\x12k\n\x0e\x43\x61ncelTransfer\x12+.kvpush.rendezvous.v1.CancelTransferRequest\x1a,.kvpush.rendezvous.v1.CancelTransferResponse\x12\x62\n\x0bGetTransfer\x12(.kvpush.rendezvous.v1.GetTransferRequest\x1a).kvpush.rendezvous.v1.GetTransferResponse\x12v\n\x11StreamWriteOrders\x12..kvpush.rendezvous.v1.StreamWriteOrdersRequest\x1a/.kvpush.rendezvous.v1.StreamWriteOrdersResponse0\x01\x12\x7f\n\x14StreamTransferEvents\x12\x31.kvpush.rendezvous.v1.StreamTransferEventsRequest\x1a\x32.kvpush.rendezvous.v1.StreamTransferEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n-kvpush/rendezvous/v1/rendezvous_service.proto\x12\x14kvpush.rendezvous.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#kvpush/rendezvous/v1/transfer.proto\"\xc4\x02\n\x1aRegisterDestinationRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x19\n\x11prefill_engine_id\x18\x03 \x01(\t\x12\x36\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32!.kvpush.rendezvous.v1.Destination\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\x08\x64\x65\x61\x64line\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x0bhold_margin\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xea\x01\n\x1bRegisterDestinationResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x39\n\rfirst_arrival\x18\x02 \x01(\x0e\x32\".kvpush.rendezvous.v1.TransferSide\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x1e\n\x16\x65xpected_notifications\x18\x04 \x03(\r\x12\x0e\n\x06\x66\x65nced\x18\x05 \x01(\x08\"\xd9\x01\n\x18ReportPrefillDoneRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x03 \x01(\t\x12,\n\x06source\x18\x04 \x01(\x0b\x32\x1c.kvpush.rendezvous.v1.Source\x12*\n\x07timeout\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xb8\x01\n\x19ReportPrefillDoneResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x39\n\rfirst_arrival\x18\x02 \x01(\x0e\x32\".kvpush.rendezvous.v1.TransferSide\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe1\x02\n\x18ReportWriteResultRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x33\n\x07outcome\x18\x05 \x01(\x0e\x32\".kvpush.rendezvous.v1.WriteOutcome\x12\x15\n\rbytes_written\x18\x06 \x01(\x04\x12\x18\n\x10\x64\x65scriptor_count\x18\x07 \x01(\r\x12-\n\tpost_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x11transfer_duration\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rerror_message\x18\n \x01(\t\"O\n\x19ReportWriteResultResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\"W\n\x15\x43\x61ncelTransferRequest\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\\\n\x16\x43\x61ncelTransferResponse\x12\x32\n\x05state\x18\x01 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x0e\n\x06\x66\x65nced\x18\x02 \x01(\x08\"c\n\x12GetTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\'\n\x04wait\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"G\n\x13GetTransferResponse\x12\x30\n\x08transfer\x18\x01 \x01(\x0b\x32\x1e.kvpush.rendezvous.v1.Transfer\"z\n\x18StreamWriteOrdersRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12\x0f\n\x07pp_rank\x18\x04 \x01(\r\x12\x14\n\x0c\x65\x61rly_orders\x18\x05 \x01(\x08\"\xe5\x02\n\x19StreamWriteOrdersResponse\x12\x31\n\x05order\x18\x01 \x01(\x0b\x32 .kvpush.rendezvous.v1.WriteOrderH\x00\x12\x36\n\nrevocation\x18\x02 \x01(\x0b\x32 .kvpush.rendezvous.v1.RevocationH\x00\x12\x36\n\x06\x63losed\x18\x03 \x01(\x0b\x32$.kvpush.rendezvous.v1.TransferClosedH\x00\x12:\n\theartbeat\x18\x05 \x01(\x0b\x32%.kvpush.rendezvous.v1.StreamHeartbeatH\x00\x12-\n\tsend_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0cstream_lease\x18\x06 \x01(\x0b\x32\x19.google.protobuf.DurationB\t\n\x07message\"\x11\n\x0fStreamHeartbeat\"E\n\x1bStreamTransferEventsRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"R\n\x1cStreamTransferEventsResponse\x12\x32\n\x05\x65vent\x18\x01 \x01(\x0b\x32#.kvpush.rendezvous.v1.TransferEvent2\xc5\x06\n\x11RendezvousService\x12z\n\x13RegisterDestination\x12\x30.kvpush.rendezvous.v1.RegisterDestinationRequest\x1a\x31.kvpush.rendezvous.v1.RegisterDestinationResponse\x12t\n\x11ReportPrefillDone\x12..kvpush.rendezvous.v1.ReportPrefillDoneRequest\x1a/.kvpush.rendezvous.v1.ReportPrefillDoneResponse\x12t\n\x11ReportWriteResult\x12..kvpush.rendezvous.v1.ReportWriteResultRequest\x1a/.kvpush.rendezvous.v1.ReportWriteResultResponse\x12k\n\x0e\x43\x61ncelTransfer\x12+.kvpush.rendezvous.v1.CancelTransferRequest\x1a,.kvpush.rendezvous.v1.CancelTransferResponse\x12\x62\n\x0bGetTransfer\x12(.kvpush.rendezvous.v1.GetTransferRequest\x1a).kvpush.rendezvous.v1.GetTransferResponse\x12v\n\x11StreamWriteOrders\x12..kvpush.rendezvous.v1.StreamWriteOrdersRequest\x1a/.kvpush.rendezvous.v1.StreamWriteOrdersResponse0\x01\x12\x7f\n\x14StreamTransferEvents\x12\x31.kvpush.rendezvous.v1.StreamTransferEventsRequest\x1a\x32.kvpush.rendezvous.v1.StreamTransferEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpush.rendezvous.v1.rendez
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERDESTINATIONREQUEST']._serialized_start=174
-  _globals['_REGISTERDESTINATIONREQUEST']._serialized_end=404
-  _globals['_REGISTERDESTINATIONRESPONSE']._serialized_start=407
-  _globals['_REGISTERDESTINATIONRESPONSE']._serialized_end=625
-  _globals['_REPORTPREFILLDONEREQUEST']._serialized_start=628
-  _globals['_REPORTPREFILLDONEREQUEST']._serialized_end=845
-  _globals['_REPORTPREFILLDONERESPONSE']._serialized_start=848
-  _globals['_REPORTPREFILLDONERESPONSE']._serialized_end=1032
-  _globals['_REPORTWRITERESULTREQUEST']._serialized_start=1035
-  _globals['_REPORTWRITERESULTREQUEST']._serialized_end=1388
-  _globals['_REPORTWRITERESULTRESPONSE']._serialized_start=1390
-  _globals['_REPORTWRITERESULTRESPONSE']._serialized_end=1469
-  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1471
-  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1558
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1560
-  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1636
-  _globals['_GETTRANSFERREQUEST']._serialized_start=1638
-  _globals['_GETTRANSFERREQUEST']._serialized_end=1696
-  _globals['_GETTRANSFERRESPONSE']._serialized_start=1698
-  _globals['_GETTRANSFERRESPONSE']._serialized_end=1769
-  _globals['_STREAMWRITEORDERSREQUEST']._serialized_start=1771
-  _globals['_STREAMWRITEORDERSREQUEST']._serialized_end=1893
-  _globals['_STREAMWRITEORDERSRESPONSE']._serialized_start=1896
-  _globals['_STREAMWRITEORDERSRESPONSE']._serialized_end=2144
-  _globals['_STREAMTRANSFEREVENTSREQUEST']._serialized_start=2146
-  _globals['_STREAMTRANSFEREVENTSREQUEST']._serialized_end=2215
-  _globals['_STREAMTRANSFEREVENTSRESPONSE']._serialized_start=2217
-  _globals['_STREAMTRANSFEREVENTSRESPONSE']._serialized_end=2299
-  _globals['_RENDEZVOUSSERVICE']._serialized_start=2302
-  _globals['_RENDEZVOUSSERVICE']._serialized_end=3139
+  _globals['_REGISTERDESTINATIONREQUEST']._serialized_end=498
+  _globals['_REGISTERDESTINATIONRESPONSE']._serialized_start=501
+  _globals['_REGISTERDESTINATIONRESPONSE']._serialized_end=735
+  _globals['_REPORTPREFILLDONEREQUEST']._serialized_start=738
+  _globals['_REPORTPREFILLDONEREQUEST']._serialized_end=955
+  _globals['_REPORTPREFILLDONERESPONSE']._serialized_start=958
+  _globals['_REPORTPREFILLDONERESPONSE']._serialized_end=1142
+  _globals['_REPORTWRITERESULTREQUEST']._serialized_start=1145
+  _globals['_REPORTWRITERESULTREQUEST']._serialized_end=1498
+  _globals['_REPORTWRITERESULTRESPONSE']._serialized_start=1500
+  _globals['_REPORTWRITERESULTRESPONSE']._serialized_end=1579
+  _globals['_CANCELTRANSFERREQUEST']._serialized_start=1581
+  _globals['_CANCELTRANSFERREQUEST']._serialized_end=1668
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_start=1670
+  _globals['_CANCELTRANSFERRESPONSE']._serialized_end=1762
+  _globals['_GETTRANSFERREQUEST']._serialized_start=1764
+  _globals['_GETTRANSFERREQUEST']._serialized_end=1863
+  _globals['_GETTRANSFERRESPONSE']._serialized_start=1865
+  _globals['_GETTRANSFERRESPONSE']._serialized_end=1936
+  _globals['_STREAMWRITEORDERSREQUEST']._serialized_start=1938
+  _globals['_STREAMWRITEORDERSREQUEST']._serialized_end=2060
+  _globals['_STREAMWRITEORDERSRESPONSE']._serialized_start=2063
+  _globals['_STREAMWRITEORDERSRESPONSE']._serialized_end=2420
+  _globals['_STREAMHEARTBEAT']._serialized_start=2422
+  _globals['_STREAMHEARTBEAT']._serialized_end=2439
+  _globals['_STREAMTRANSFEREVENTSREQUEST']._serialized_start=2441
+  _globals['_STREAMTRANSFEREVENTSREQUEST']._serialized_end=2510
+  _globals['_STREAMTRANSFEREVENTSRESPONSE']._serialized_start=2512
+  _globals['_STREAMTRANSFEREVENTSRESPONSE']._serialized_end=2594
+  _globals['_RENDEZVOUSSERVICE']._serialized_start=2597
+  _globals['_RENDEZVOUSSERVICE']._serialized_end=3434
 # @@protoc_insertion_point(module_scope)

@@ -12,30 +12,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterDestinationRequest(_message.Message):
-    __slots__ = ("key", "client_request_id", "prefill_engine_id", "destination", "timeout")
+    __slots__ = ("key", "client_request_id", "prefill_engine_id", "destination", "timeout", "deadline", "hold_margin")
     KEY_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MARGIN_FIELD_NUMBER: _ClassVar[int]
     key: _transfer_pb2.TransferKey
     client_request_id: str
     prefill_engine_id: str
     destination: _transfer_pb2.Destination
     timeout: _duration_pb2.Duration
-    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., destination: _Optional[_Union[_transfer_pb2.Destination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    deadline: _timestamp_pb2.Timestamp
+    hold_margin: _duration_pb2.Duration
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., destination: _Optional[_Union[_transfer_pb2.Destination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., hold_margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class RegisterDestinationResponse(_message.Message):
-    __slots__ = ("state", "first_arrival", "deadline", "expected_notifications")
+    __slots__ = ("state", "first_arrival", "deadline", "expected_notifications", "fenced")
     STATE_FIELD_NUMBER: _ClassVar[int]
     FIRST_ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_NOTIFICATIONS_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     state: _transfer_pb2.TransferState
     first_arrival: _transfer_pb2.TransferSide
     deadline: _timestamp_pb2.Timestamp
     expected_notifications: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., first_arrival: _Optional[_Union[_transfer_pb2.TransferSide, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expected_notifications: _Optional[_Iterable[int]] = ...) -> None: ...
+    fenced: bool
+    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., first_arrival: _Optional[_Union[_transfer_pb2.TransferSide, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expected_notifications: _Optional[_Iterable[int]] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class ReportPrefillDoneRequest(_message.Message):
     __slots__ = ("key", "client_request_id", "decode_engine_id", "source", "timeout")
@@ -100,18 +106,22 @@ class CancelTransferRequest(_message.Message):
     def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class CancelTransferResponse(_message.Message):
-    __slots__ = ("state",)
+    __slots__ = ("state", "fenced")
     STATE_FIELD_NUMBER: _ClassVar[int]
+    FENCED_FIELD_NUMBER: _ClassVar[int]
     state: _transfer_pb2.TransferState
-    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ...) -> None: ...
+    fenced: bool
+    def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class GetTransferRequest(_message.Message):
-    __slots__ = ("transfer_id", "attempt")
+    __slots__ = ("transfer_id", "attempt", "wait")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     attempt: int
-    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
+    wait: _duration_pb2.Duration
+    def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ..., wait: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GetTransferResponse(_message.Message):
     __slots__ = ("transfer",)
@@ -134,16 +144,24 @@ class StreamWriteOrdersRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., early_orders: _Optional[bool] = ...) -> None: ...
 
 class StreamWriteOrdersResponse(_message.Message):
-    __slots__ = ("order", "revocation", "closed", "send_time")
+    __slots__ = ("order", "revocation", "closed", "heartbeat", "send_time", "stream_lease")
     ORDER_FIELD_NUMBER: _ClassVar[int]
     REVOCATION_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     SEND_TIME_FIELD_NUMBER: _ClassVar[int]
+    STREAM_LEASE_FIELD_NUMBER: _ClassVar[int]
     order: _transfer_pb2.WriteOrder
     revocation: _transfer_pb2.Revocation
     closed: _transfer_pb2.TransferClosed
+    heartbeat: StreamHeartbeat
     send_time: _timestamp_pb2.Timestamp
-    def __init__(self, order: _Optional[_Union[_transfer_pb2.WriteOrder, _Mapping]] = ..., revocation: _Optional[_Union[_transfer_pb2.Revocation, _Mapping]] = ..., closed: _Optional[_Union[_transfer_pb2.TransferClosed, _Mapping]] = ..., send_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    stream_lease: _duration_pb2.Duration
+    def __init__(self, order: _Optional[_Union[_transfer_pb2.WriteOrder, _Mapping]] = ..., revocation: _Optional[_Union[_transfer_pb2.Revocation, _Mapping]] = ..., closed: _Optional[_Union[_transfer_pb2.TransferClosed, _Mapping]] = ..., heartbeat: _Optional[_Union[StreamHeartbeat, _Mapping]] = ..., send_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., stream_lease: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+
+class StreamHeartbeat(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StreamTransferEventsRequest(_message.Message):
     __slots__ = ("engine_id", "incarnation")

@@ -57,6 +57,7 @@ class TransferEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSFER_EVENT_TYPE_UNSPECIFIED: _ClassVar[TransferEventType]
     TRANSFER_EVENT_TYPE_COMPLETED: _ClassVar[TransferEventType]
     TRANSFER_EVENT_TYPE_ENDED: _ClassVar[TransferEventType]
+    TRANSFER_EVENT_TYPE_FAILED: _ClassVar[TransferEventType]
 
 class TimelineEntryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -99,6 +100,7 @@ WRITE_OUTCOME_REVOKED: WriteOutcome
 TRANSFER_EVENT_TYPE_UNSPECIFIED: TransferEventType
 TRANSFER_EVENT_TYPE_COMPLETED: TransferEventType
 TRANSFER_EVENT_TYPE_ENDED: TransferEventType
+TRANSFER_EVENT_TYPE_FAILED: TransferEventType
 TIMELINE_ENTRY_KIND_UNSPECIFIED: TimelineEntryKind
 TIMELINE_ENTRY_KIND_REGISTERED: TimelineEntryKind
 TIMELINE_ENTRY_KIND_PREFILL_DONE: TimelineEntryKind
@@ -143,7 +145,7 @@ class Source(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[_engine_pb2.BlockList, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class WriteOrder(_message.Message):
-    __slots__ = ("key", "client_request_id", "source", "destination", "decode_tp_ranks", "write_budget", "trace_context")
+    __slots__ = ("key", "client_request_id", "source", "destination", "decode_tp_ranks", "write_budget", "trace_context", "write_timeout")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +160,7 @@ class WriteOrder(_message.Message):
     DECODE_TP_RANKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_BUDGET_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    WRITE_TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     key: TransferKey
     client_request_id: str
     source: Source
@@ -165,7 +168,8 @@ class WriteOrder(_message.Message):
     decode_tp_ranks: _containers.RepeatedScalarFieldContainer[int]
     write_budget: _duration_pb2.Duration
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, key: _Optional[_Union[TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., source: _Optional[_Union[Source, _Mapping]] = ..., destination: _Optional[_Union[Destination, _Mapping]] = ..., decode_tp_ranks: _Optional[_Iterable[int]] = ..., write_budget: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    write_timeout: _duration_pb2.Duration
+    def __init__(self, key: _Optional[_Union[TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., source: _Optional[_Union[Source, _Mapping]] = ..., destination: _Optional[_Union[Destination, _Mapping]] = ..., decode_tp_ranks: _Optional[_Iterable[int]] = ..., write_budget: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., write_timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class Revocation(_message.Message):
     __slots__ = ("key", "reason")
