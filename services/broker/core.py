@@ -310,6 +310,7 @@ class BrokerCore:
         self._producers: dict[RankKey, _Mailbox] = {}
         self._decoders: dict[tuple[str, str], _Mailbox] = {}
         self._wakeup: Callable[[float], None] | None = None
+        self._end_listeners: list[Callable[[str, int], None]] = []
         self._closed = False
         directory.add_removal_listener(self.on_engine_removed)
         counts = self._state_counts
@@ -336,6 +337,25 @@ class BrokerCore:
     def remembered_attempts(self) -> int:
         """Attempts held in memory (unsettled plus settled within retention)."""
         return self._unsettled + len(self._settled)
+
+    def add_end_listener(self, listener: Callable[[str, int], None]) -> None:
+        """listener(transfer_id, attempt) is called whenever an attempt reaches a terminal state."""
+        self._end_listeners.append(listener)
+
+    def newest_attempt(self, transfer_id: str) -> int:
+        """The newest attempt number seen for transfer_id (0: none remembered)."""
+        record = self._transfers.get(transfer_id)
+        return record.newest if record is not None else 0
+
+    def is_ended(self, transfer_id: str, attempt: int) -> bool:
+        """True when the attempt is remembered in a terminal state."""
+        record = self._transfers.get(transfer_id)
+        att = record.attempts.get(attempt) if record is not None else None
+        return att is not None and att.ended
+
+    def _announce_end(self, att: Attempt) -> None:
+        for listener in self._end_listeners:
+            listener(att.transfer_id, att.number)
 
     def set_wakeup(self, wakeup: Callable[[float], None]) -> None:
         """wakeup(t) is called when tick() must run at t, earlier than it last said."""
@@ -981,6 +1001,7 @@ class BrokerCore:
         att.fenced = True
         att.timeline.append((_TL_FENCED, now, ""))
         self._settle(att, now)
+        self._announce_end(att)
 
     def _end(self, att: Attempt, state: int, reason: int, detail: str, now: float) -> None:
         """Ends a live attempt without the KV: revoke unanswered orders, release producers, fence."""
@@ -1012,6 +1033,7 @@ class BrokerCore:
                 att.timeline.append((_TL_REVOKED, now, _rank_name(rank_key)))
         self._close_producers(att)
         self._check_fenced(att, now)
+        self._announce_end(att)
 
     def _close_producers(self, att: Attempt) -> None:
         if not att.p_ranks:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from opentelemetry import context as otel_context
 
@@ -12,7 +14,11 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker.core import Actor, BrokerCore, EngineDirectory
 from kvpush.services.common.auth import Authenticator
+from kvpush.services.common import validation
 from kvpush.services.common.rpc import drain_to_stream, rpc_method
+
+# The longest GetTransfer.wait honoured.
+MAX_GET_TRANSFER_WAIT_S = 600.0
 
 SERVICE_NAME = rv_pb.DESCRIPTOR.services_by_name["RendezvousService"].full_name
 
@@ -22,6 +28,33 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         self._core = core
         self._directory = directory
         self._auth = auth
+        # GetTransfer long polls waiting for an attempt to end, by (transfer_id, attempt).
+        self._end_waiters: dict[tuple[str, int], list[asyncio.Future]] = {}
+        core.add_end_listener(self._on_end)
+
+    def _on_end(self, transfer_id: str, attempt: int) -> None:
+        for waiter in self._end_waiters.pop((transfer_id, attempt), ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait_for_end(self, transfer_id: str, attempt: int, wait_s: float) -> None:
+        """Returns when the attempt (0: the newest) ends or wait_s passes."""
+        attempt = attempt or self._core.newest_attempt(transfer_id)
+        if not attempt or self._core.is_ended(transfer_id, attempt):
+            return
+        key = (transfer_id, attempt)
+        waiter = asyncio.get_running_loop().create_future()
+        self._end_waiters.setdefault(key, []).append(waiter)
+        try:
+            await asyncio.wait_for(waiter, wait_s)
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._end_waiters.get(key)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._end_waiters[key]
 
     @rpc_method
     async def RegisterDestination(self, request: rv_pb.RegisterDestinationRequest, context: grpc.aio.ServicerContext) -> rv_pb.RegisterDestinationResponse:
@@ -51,6 +84,13 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
 
     @rpc_method
     async def GetTransfer(self, request: rv_pb.GetTransferRequest, context: grpc.aio.ServicerContext) -> rv_pb.GetTransferResponse:
+        if request.HasField("wait"):
+            wait_s = validation.non_negative_seconds(request.wait, "wait", MAX_GET_TRANSFER_WAIT_S)
+            self._core.get_transfer(request.transfer_id, request.attempt)  # refuses an unknown attempt before waiting
+            remaining = context.time_remaining()
+            if remaining is not None:
+                wait_s = min(wait_s, max(remaining - 0.05, 0.0))  # answer before the caller's deadline
+            await self._wait_for_end(request.transfer_id, request.attempt, wait_s)
         return rv_pb.GetTransferResponse(transfer=self._core.get_transfer(request.transfer_id, request.attempt))
 
     @rpc_method

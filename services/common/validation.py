@@ -49,6 +49,14 @@ def positive_seconds(duration: duration_pb2.Duration, field: str, maximum: float
     return seconds
 
 
+def non_negative_seconds(duration: duration_pb2.Duration, field: str, maximum: float) -> float:
+    """Returns the duration in seconds; it must be in [0, maximum]."""
+    seconds = duration.seconds + duration.nanos * 1e-9
+    if seconds < 0 or seconds > maximum:
+        raise InvalidArgument(f"{field} must be in [0, {maximum:g}] seconds, got {seconds:g}", reason=Reason.FIELD_OUT_OF_RANGE, field=field)
+    return seconds
+
+
 def duration(seconds: float) -> duration_pb2.Duration:
     """A Duration proto for seconds (negative values become zero)."""
     d = duration_pb2.Duration()
