@@ -41,7 +41,7 @@ from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import SystemClock
-from kvpush.services.common.engine_tokens import EngineTokens, generate_key
+from kvpush.services.common.tokens import create_tokens
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 
@@ -57,7 +57,7 @@ TOKENS = 256
 def core_only(count: int) -> dict:
     """Rendezvous per second of BrokerCore alone, in this process (no gRPC): the core's own ceiling."""
     clock = SystemClock()
-    registrar = RegistrarCore(RegistrarConfig(), clock, EngineTokens(generate_key()))
+    registrar = RegistrarCore(RegistrarConfig(), clock)
     for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
         registrar.register(sample.rank_request(engine_id, role, num_blocks=100_000))
     broker = BrokerCore(registrar, BrokerConfig(), clock)
@@ -93,7 +93,9 @@ class ControlPlaneProcess:
 
     def __init__(self, workdir: pathlib.Path, keep_otel_env: bool):
         self.port_file = workdir / "port"
-        self.token_file = workdir / "token"
+        # Each fake engine calls with its own token.
+        self.tokens_dir = workdir / "tokens"
+        create_tokens(self.tokens_dir, ["prefill-0", "decode-0"])
         env = dict(os.environ) if keep_otel_env else {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         self.process = subprocess.Popen(
             [
@@ -107,8 +109,8 @@ class ControlPlaneProcess:
                 "127.0.0.1:0",
                 "--port-file",
                 str(self.port_file),
-                "--token-file",
-                str(self.token_file),
+                "--tokens-dir",
+                str(self.tokens_dir),
                 "--lease-ttl",
                 "30",
                 "--max-lease-ttl",
@@ -136,12 +138,12 @@ class ControlPlaneProcess:
 
 
 class Bench:
-    def __init__(self, channel: grpc.aio.Channel, token: str, server_pid: int):
+    def __init__(self, channel: grpc.aio.Channel, tokens: dict[str, str], server_pid: int):
         self.server_pid = server_pid
         self._cpu_at_start = (0.0, 0.0)
         self.registrar = reg_grpc.RegistrarServiceStub(channel)
         self.broker = rv_grpc.RendezvousServiceStub(channel)
-        self.bearer = (("authorization", f"Bearer {token}"),)
+        self.tokens = tokens  # engine id -> its token
         self.prefill_md: tuple = ()
         self.decode_md: tuple = ()
         self.leases: dict[str, str] = {}  # engine id -> lease id
@@ -154,9 +156,9 @@ class Bench:
     async def register_engines(self) -> None:
         for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
             request = sample.rank_request(engine_id, role, num_blocks=100_000, lease_ttl_s=30)
-            response = await self.registrar.RegisterEngineRank(request, metadata=self.bearer, timeout=CALL_TIMEOUT_S)
+            metadata = (("authorization", f"Bearer {self.tokens[engine_id]}"),)
+            response = await self.registrar.RegisterEngineRank(request, metadata=metadata, timeout=CALL_TIMEOUT_S)
             self.leases[engine_id] = response.lease_id
-            metadata = (*self.bearer, ("kvpush-engine-token", response.engine_token))
             if role == sample.PREFILL:
                 self.prefill_md = metadata
             else:
@@ -287,10 +289,10 @@ class Bench:
         }
 
 
-async def run(args: argparse.Namespace, port: int, token: str, server_pid: int) -> list[dict]:
+async def run(args: argparse.Namespace, port: int, tokens: dict[str, str], server_pid: int) -> list[dict]:
     options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        bench = Bench(channel, token, server_pid)
+        bench = Bench(channel, tokens, server_pid)
         await bench.register_engines()
         ready = asyncio.Event()
         background = [
@@ -361,14 +363,14 @@ def main() -> int:
         plane = ControlPlaneProcess(pathlib.Path(workdir), args.keep_otel_env)
         try:
             port = plane.wait_port()
-            token = plane.token_file.read_text().strip()
+            tokens = {path.name: path.read_text().strip() for path in plane.tokens_dir.iterdir()}
             try:
                 import uvloop
             except ImportError:
-                results = asyncio.run(run(args, port, token, plane.process.pid))
+                results = asyncio.run(run(args, port, tokens, plane.process.pid))
             else:
                 with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                    results = runner.run(run(args, port, token, plane.process.pid))
+                    results = runner.run(run(args, port, tokens, plane.process.pid))
         finally:
             with contextlib.suppress(Exception):
                 plane.stop()

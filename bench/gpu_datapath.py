@@ -339,7 +339,8 @@ class Producer:
         t0 = time.monotonic_ns()
         plan = self.plan(path, src_ids, dst_ids, tokens)
         t1 = time.monotonic_ns()
-        write = self.agent.post_write(self.peer, plan.src, plan.dst, plan.lengths, self.device.index or 0, notif.encode())
+        device = self.device.index or 0  # P and D share one GPU here
+        write = self.agent.post_write(self.peer, plan.src, plan.dst, plan.lengths, device, device, notif.encode())
         t2 = time.monotonic_ns()
         deadline = time.monotonic() + self.timeout_s
         while (state := self.agent.poll(write)) == "PROC":  # spin: this is the timed path

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# The shortest hold margin accepted: the broker's default fence margin (1 s) plus a short WRITE timeout.
+MIN_HOLD_MARGIN_S = 1.5
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
 
 
@@ -23,26 +25,26 @@ class ConnectorConfig:
     engine_id: str
     role: str  # "prefill" or "decode", from kv_role
     control_plane: str  # (control_plane) host:port of the control plane
-    token: str  # (token / token_file / $KVPUSH_TOKEN) shared token; "" with mTLS
+    token: str  # (token_file / $KVPUSH_TOKEN_FILE / $KVPUSH_TOKEN) this engine's own token (its file in the control plane's --tokens-dir); "" with mTLS
     tls_ca: str = ""  # (tls_ca) CA bundle for mTLS
     tls_cert: str = ""  # (tls_cert) client certificate; its CN must equal engine_id
     tls_key: str = ""  # (tls_key)
     backends: tuple[str, ...] = ("UCX",)  # (backends) NIXL backends, e.g. ["UCX"] or ["LIBFABRIC"]
     transfer_timeout_s: float = 30.0  # (transfer_timeout_s) default deadline of a transfer
-    free_margin_s: float = 5.0  # (free_margin_s) D waits this long past its deadline before reusing blocks when the broker is unreachable
+    hold_margin_s: float = 5.0  # (hold_margin_s) D keeps a request's blocks this long past its deadline when the broker never said they are safe; the broker fits its WRITE timeout for the request inside it
     early_orders: bool = True  # (early_orders) P matches registrations locally (see docs/design.md)
     idle_wait_ms: float = 5.0  # (idle_wait_ms) how long an idle engine step sleeps waiting for transfer progress
     poll_interval_ms: float = 0.5  # (poll_interval_ms) NIXL progress interval while a transfer is expected
     idle_poll_ms: float = 20.0  # (idle_poll_ms) NIXL progress interval while nothing is expected
+    lease_ttl_s: float = 3.0  # (lease_ttl_s) lease each rank asks the registrar for: a dead engine's transfers fail this long after it died
     rpc_timeout_s: float = 5.0  # (rpc_timeout_s) deadline of each control-plane call
-    gil_switch_interval_ms: float = 0.5  # (gil_switch_interval_ms) the worker's sys.setswitchinterval: how long the transfer thread may wait for the GIL
     startup_timeout_s: float = 60.0  # (startup_timeout_s) how long registration may take at engine start
 
     @classmethod
     def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorConfig:
         extra: dict = dict(kv_transfer_config.kv_connector_extra_config or {})
         if "token" in extra:
-            raise ConfigError("kvpush: pass the shared token via token_file or $KVPUSH_TOKEN, not in the engine's command line")
+            raise ConfigError("kvpush: pass the engine's token via token_file or $KVPUSH_TOKEN, not in the engine's command line")
         known = {f.name for f in fields(cls)} - {"engine_id", "role", "token"} | {"token_file"}
         unknown = sorted(set(extra) - known)
         if unknown:
@@ -88,7 +90,12 @@ class ConnectorConfig:
             values[f.name] = value
         config = cls(**values)
         if not config.token and not config.tls_cert:
-            raise ConfigError("kvpush: no credentials: set token_file / $KVPUSH_TOKEN (shared token) or tls_cert/tls_key/tls_ca (mTLS)")
+            raise ConfigError("kvpush: no credentials: set token_file / $KVPUSH_TOKEN (this engine's token) or tls_cert/tls_key/tls_ca (mTLS)")
+        if config.hold_margin_s < MIN_HOLD_MARGIN_S:
+            raise ConfigError(
+                f"kvpush: kv_connector_extra_config.hold_margin_s={config.hold_margin_s:g} is too short: it must cover a WRITE's "
+                f"timeout plus the broker's fence margin (at least {MIN_HOLD_MARGIN_S:g}s; the broker refuses registrations it cannot fit)"
+            )
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ConfigError("kvpush: tls_cert and tls_key go together")
         return config

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata, KvpushWorkerMeta
+from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.telemetry import configure_tracing
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvpush.connector.scheduler import KvpushScheduler
+            from kvpush.connector.scheduler import make_scheduler
 
-            self._scheduler = KvpushScheduler(self.config, vllm_config, kv_cache_config)
+            self._scheduler = make_scheduler(self.config, vllm_config, kv_cache_config)
         else:
             from kvpush.connector.worker import KvpushWorker
 
@@ -107,9 +107,6 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())
-
-    def build_connector_worker_meta(self) -> KvpushWorkerMeta | None:
-        return self._worker.worker_meta()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         meta = self._connector_metadata if isinstance(self._connector_metadata, KvpushMetadata) else None

@@ -1,32 +1,39 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The decode worker's receive thread.
+"""The decode worker's receive logic: count completion notifications until a request's KV is in place.
 
-It owns the worker's NIXL agent and counts completion notifications: every
-producer rank that writes to this rank sends one per transfer attempt, and
-each says how many producer ranks to expect. When all have arrived, the KV is
-in place and the request is reported as received. The thread polls NIXL only
-while a receive is pending (and rarely otherwise, to let producers connect);
-the engine thread sleeps on `ready` instead of stepping.
+Every producer rank that writes to this rank sends one notification per
+transfer attempt, naming the tokens it wrote and how many producer ranks to
+expect. When all have arrived and each named exactly the tokens the request
+registered, the request is reported received. ConsumerCore is
+deterministic (time from its Clock, NIXL through a transport), so the
+protocol simulation drives the same code; Consumer wraps it in the worker's
+transfer thread, which polls NIXL only while a receive is pending (and
+rarely otherwise, to let producers connect).
+
+Failing a request is the decode scheduler's decision (it knows when the
+blocks are safe to reuse): fail(req_id) always reports it, once.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvpush.connector.metadata import RecvExpected
-from kvpush.connector.nixl_agent import HELLO, KvAgent
+from kvpush.connector.handoff import RecvExpected
+from kvpush.connector.nixl_agent import HELLO
 from kvpush.connector.producer import NOTIF_PREFIX
-from kvpush.connector.spans import Spans
+from kvpush.connector.transfer_thread import TransferThread
+from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 
 # Notifications for transfers this rank has not been told about yet (they can
 # overtake the scheduler's metadata) are kept this long.
 EARLY_NOTIFICATION_TTL_S = 60.0
+
+REPORTED_MEMORY = 10_000
 
 Key = tuple[str, int]
 
@@ -39,146 +46,174 @@ class Receive:
 
 
 @dataclass
-class Early:
-    producers: set[int]
+class Notification:
+    key: Key
+    producer: int
     needed: int
+    first_token: int
+    num_tokens: int
+
+
+@dataclass
+class UnclaimedNotifications:
+    """Notifications that arrived before the scheduler said which request waits for them."""
+
+    notes: list[Notification]
     first_seen: float
 
 
-def parse_notification(message: bytes) -> tuple[Key, int, int] | None:
-    """(transfer key, producer rank, producers expected), or None if not a kvpush completion."""
+def parse_notification(message: bytes) -> Notification | None:
+    """The notification's fields, or None if it is not a kvpush completion."""
     try:
-        prefix, transfer_id, attempt, rank, expected = message.decode().split("|")
+        prefix, transfer_id, attempt, rank, expected, first_token, num_tokens = message.decode().split("|")
         if prefix != NOTIF_PREFIX:
             return None
-        return (transfer_id, int(attempt)), int(rank), int(expected)
+        return Notification((transfer_id, int(attempt)), int(rank), int(expected), int(first_token), int(num_tokens))
     except ValueError:
         return None
 
 
-class Consumer:
-    """Counts notifications per transfer; one per decode worker."""
+class ConsumerCore:
+    """One decode rank's notification counting (single-threaded)."""
 
-    def __init__(self, agent: KvAgent, spans: Spans, poll_interval_s: float, idle_poll_s: float):
-        self.agent = agent
+    def __init__(self, transport, spans, clock: Clock):
+        self.transport = transport
         self.spans = spans
-        self.poll_interval_s = poll_interval_s
-        self.idle_poll_s = idle_poll_s
-        self.ready = threading.Event()  # set when a result is waiting
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.clock = clock
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        # Recently published req_ids: a fail() racing with a success (the scheduler's deadline) is a no-op.
+        self._reported: OrderedDict[str, None] = OrderedDict()
         self._pending: dict[Key, Receive] = {}
         self._by_request: dict[str, Key] = {}
-        self._early: dict[Key, Early] = {}
-        self._pending_count = 0
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvpush-consumer", daemon=True)
-        self._thread.start()
+        self._unclaimed: dict[Key, UnclaimedNotifications] = {}
+        self.on_result = lambda: None
 
-    # ---- from the engine thread -----------------------------------------------------
+    # ---- inputs -------------------------------------------------------------------------
+
+    def handle(self, item: tuple) -> None:
+        if item[0] == "expect":
+            self.expect(item[1])
+        elif item[0] == "fail":
+            self.fail(item[1], item[2])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._pending)
 
     def expect(self, recv: RecvExpected) -> None:
-        with self._lock:
-            self._pending_count += 1
-        self._inbox.put(("expect", recv))
+        key = (recv.transfer_id, recv.attempt)
+        held = self._pending.get(key)
+        if held is not None:
+            # The scheduler never lets two requests share a key; if it happens, neither may take the other's KV.
+            logger.error("kvpush consumer: request %s reuses transfer key %s of request %s", recv.req_id, key, held.expected.req_id)
+            return
+        receive = self._pending[key] = Receive(recv)
+        self._by_request[recv.req_id] = key
+        unclaimed = self._unclaimed.pop(key, None)
+        for note in unclaimed.notes if unclaimed is not None else ():
+            self._count(receive, note)
+        self._check(key, receive)
 
     def fail(self, req_id: str, reason: str) -> None:
-        self._inbox.put(("fail", req_id, reason))
+        key = self._by_request.pop(req_id, None)
+        if key is not None and self._pending.get(key) is not None and self._pending[key].expected.req_id == req_id:
+            del self._pending[key]
+        if req_id not in self._reported:
+            logger.warning("kvpush consumer: request %s failed: %s", req_id, reason)
+            self._publish(req_id, failed=True)
 
     def take_results(self) -> tuple[set[str], set[str]]:
         """(finished, failed): every failed id is also finished, as vLLM expects."""
         with self._lock:
             finished, failed = self._finished | self._failed, self._failed
             self._finished, self._failed = set(), set()
-        self.ready.clear()
         return finished, failed
 
-    def has_work(self) -> bool:
-        return self._pending_count > 0
+    # ---- progress -------------------------------------------------------------------------
 
-    def stop(self) -> None:
-        self._stop = True
-        self._inbox.put(("stop",))
-        self._thread.join(timeout=5)
-
-    # ---- the thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                self._step()
-            except Exception:
-                logger.exception("kvpush consumer: unexpected error")
-
-    def _step(self) -> None:
-        try:
-            item = self._inbox.get(timeout=self.poll_interval_s if self._pending else self.idle_poll_s)
-        except queue.Empty:
-            item = None
-        while item is not None:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-        now_ns = time.time_ns()
-        for sender, messages in self.agent.notifications().items():
+    def step(self) -> float | None:
+        for sender, messages in self.transport.notifications().items():
             for message in messages:
-                self._on_notification(sender, message, now_ns)
-        self._expire_early()
+                self._on_notification(sender, message)
+        if self._unclaimed:
+            cutoff = self.clock.now() - EARLY_NOTIFICATION_TTL_S
+            for key in [k for k, u in self._unclaimed.items() if u.first_seen < cutoff]:
+                del self._unclaimed[key]
+        return None
 
-    def _handle(self, item: tuple) -> None:
-        if item[0] == "expect":
-            recv: RecvExpected = item[1]
-            key = (recv.transfer_id, recv.attempt)
-            receive = Receive(recv)
-            self._pending[key] = receive
-            self._by_request[recv.req_id] = key
-            early = self._early.pop(key, None)
-            if early is not None:
-                receive.producers, receive.needed = early.producers, early.needed
-                self._check(key, receive, time.time_ns())
-        elif item[0] == "fail":
-            key = self._by_request.pop(item[1], None)
-            if key is not None and self._pending.pop(key, None) is not None:
-                logger.warning("kvpush consumer: request %s failed: %s", item[1], item[2])
-                self._publish(item[1], failed=True)
-
-    def _on_notification(self, sender: str, message: bytes, now_ns: int) -> None:
+    def _on_notification(self, sender: str, message: bytes) -> None:
         if message == HELLO:
             return
-        parsed = parse_notification(message)
-        if parsed is None:
+        note = parse_notification(message)
+        if note is None:
             logger.warning("kvpush consumer: ignoring notification %r from %s", message[:64], sender)
             return
-        key, producer, needed = parsed
-        receive = self._pending.get(key)
+        receive = self._pending.get(note.key)
         if receive is None:
-            early = self._early.setdefault(key, Early(set(), needed, time.monotonic()))
-            early.producers.add(producer)
+            unclaimed = self._unclaimed.setdefault(note.key, UnclaimedNotifications([], self.clock.now()))
+            unclaimed.notes.append(note)
             return
-        receive.producers.add(producer)
-        receive.needed = needed
-        self._check(key, receive, now_ns)
+        self._count(receive, note)
+        self._check(note.key, receive)
 
-    def _check(self, key: Key, receive: Receive, now_ns: int) -> None:
+    def _count(self, receive: Receive, note: Notification) -> None:
+        expected = receive.expected
+        if (note.first_token, note.num_tokens) != (expected.first_token, expected.num_tokens):
+            # Never report KV received that does not cover the registered tokens; the deadline fails it.
+            logger.error("kvpush consumer: %s from producer rank %d wrote tokens [%d, +%d); request %s registered [%d, +%d)",
+                         note.key, note.producer, note.first_token, note.num_tokens, expected.req_id, expected.first_token, expected.num_tokens)
+            return
+        receive.producers.add(note.producer)
+        receive.needed = note.needed
+
+    def _check(self, key: Key, receive: Receive) -> None:
         if receive.needed and len(receive.producers) >= receive.needed:
             del self._pending[key]
             self._by_request.pop(receive.expected.req_id, None)
+            now_ns = int(self.clock.wall() * 1e9)
             self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=len(receive.producers))
             self._publish(receive.expected.req_id, failed=False)
 
     def _publish(self, req_id: str, *, failed: bool) -> None:
+        self._reported[req_id] = None
+        if len(self._reported) > REPORTED_MEMORY:
+            self._reported.popitem(last=False)
         with self._lock:
             (self._failed if failed else self._finished).add(req_id)
-            self._pending_count -= 1
-        self.ready.set()
+        self.on_result()
 
-    def _expire_early(self) -> None:
-        if not self._early:
-            return
-        cutoff = time.monotonic() - EARLY_NOTIFICATION_TTL_S
-        for key in [k for k, e in self._early.items() if e.first_seen < cutoff]:
-            del self._early[key]
+
+class Consumer:
+    """A decode worker's transfer thread around its ConsumerCore."""
+
+    def __init__(self, core: ConsumerCore, poll_interval_s: float, idle_poll_s: float):
+        self.core = core
+        self.ready = threading.Event()  # set when a result is waiting
+        core.on_result = self.ready.set
+        self._pending = 0
+        self._count_lock = threading.Lock()
+        self._thread = TransferThread("kvpush-consumer", core, poll_interval_s, idle_poll_s)
+
+    def expect(self, recv: RecvExpected) -> None:
+        with self._count_lock:
+            self._pending += 1
+        self._thread.put(("expect", recv))
+
+    def fail(self, req_id: str, reason: str) -> None:
+        self._thread.put(("fail", req_id, reason))
+
+    def take_results(self) -> tuple[set[str], set[str]]:
+        self.ready.clear()  # before taking: a result racing with us sets it again
+        finished, failed = self.core.take_results()
+        if finished:
+            with self._count_lock:
+                self._pending = max(0, self._pending - len(finished))
+        return finished, failed
+
+    def has_work(self) -> bool:
+        return self._pending > 0
+
+    def stop(self) -> None:
+        self._thread.stop()

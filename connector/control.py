@@ -42,14 +42,6 @@ class ControlSession:
         self._tasks: list[Any] = []
         self._closed = False
 
-    @property
-    def engine_token(self) -> str:
-        return self.broker.engine_token
-
-    def set_engine_token(self, token: str) -> None:
-        self.registrar.engine_token = token
-        self.broker.engine_token = token
-
     def submit(self, coro, what: str = "") -> None:
         """Runs coro on the loop, fire-and-forget; a kvpush error is logged in one line naming `what`."""
         if self._closed:
@@ -87,65 +79,93 @@ class ControlSession:
         return self.loop.call(attempt(), timeout_s=self.config.startup_timeout_s + self.config.rpc_timeout_s)
 
     def keep_alive(self, request: reg_pb.RegisterEngineRankRequest, lease: reg_pb.RegisterEngineRankResponse) -> None:
-        """Renews the lease every ttl/3 on a KeepAlive stream.
+        """Renews the lease every ttl/3 on a KeepAlive stream, reopening the stream after any failure.
 
-        The registrar ends a stream's leases when the stream ends, so after
-        any failure (control plane restarted or unreachable) the rank
-        registers again, with backoff, until it succeeds.
+        A lease lapses only by time at the registrar, so a new stream keeps
+        renewing the same lease; only when the registrar no longer knows it
+        (it lapsed, or the control plane restarted) does the rank register
+        again, with backoff, until it succeeds.
         """
         ttl_s = lease.lease_ttl.ToTimedelta().total_seconds()
+
+        async def register_again() -> str:
+            delay = RECONNECT_BACKOFF_S[0]
+            while True:
+                try:
+                    response = await self.registrar.register_engine_rank(request)
+                    logger.info("kvpush: rank re-registered with the control plane")
+                    return response.lease_id
+                except errors.KvpushError as exc:
+                    logger.warning("kvpush: re-registration failed (%s); retrying", exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
 
         async def run() -> None:
             lease_id = lease.lease_id
             delay = RECONNECT_BACKOFF_S[0]
             while not self._closed:
                 stream = self.registrar.keep_alive()
+                unknown = False
                 try:
                     await stream.write(reg_pb.KeepAliveRequest(lease_ids=[lease_id]))
                     async for response in stream:
                         delay = RECONNECT_BACKOFF_S[0]
                         if lease_id in response.unknown_lease_ids:
+                            unknown = True
                             break
                         await asyncio.sleep(ttl_s / 3)
                         await stream.write(reg_pb.KeepAliveRequest(lease_ids=[lease_id]))
                 except asyncio.CancelledError:
                     raise
-                except Exception as exc:  # any stream failure: fall through to re-registration
+                except Exception as exc:  # any stream failure: open another one
                     logger.warning("kvpush: lease keep-alive stream failed (%s)", exc)
                 finally:
                     stream.cancel()
-                while not self._closed:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
-                    try:
-                        response = await self.registrar.register_engine_rank(request)
-                        lease_id = response.lease_id
-                        self.set_engine_token(response.engine_token)
-                        logger.info("kvpush: rank re-registered with the control plane")
-                        break
-                    except errors.KvpushError as exc:
-                        logger.warning("kvpush: re-registration failed (%s); retrying", exc)
+                if unknown:
+                    lease_id = await register_again()
+                    continue
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
 
         self._tasks.append(self.loop.submit(run()))
 
-    def follow(self, name: str, open_stream: Callable[[], Any], on_message: Callable[[Any], None]) -> None:
-        """Keeps a server stream open, reconnecting with backoff, and hands each message to on_message."""
+    def follow(
+        self,
+        name: str,
+        open_stream: Callable[[], Any],
+        on_message: Callable[[Any], None] | None,
+        *,
+        on_open: Callable[[], Callable[[Any], None]] | None = None,
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        """Keeps a server stream open, reconnecting with backoff, and hands each message over.
+
+        on_open, if given, is called for every new stream and returns that
+        stream's message handler (instead of on_message); on_lost is called
+        whenever a stream ends. Any failure, including one of a handler,
+        ends the stream and opens a new one: nothing kills the follower.
+        """
 
         async def run() -> None:
             delay = RECONNECT_BACKOFF_S[0]
             while not self._closed:
                 stream = open_stream()
+                handle = on_open() if on_open is not None else on_message
                 try:
                     async for message in stream:
                         delay = RECONNECT_BACKOFF_S[0]
-                        on_message(message)
+                        handle(message)
                     if self._closed:
                         return
                     logger.warning("kvpush: %s stream ended; reopening", name)
-                except errors.KvpushError as exc:
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
                     logger.warning("kvpush: %s stream failed (%s); reopening in %.2fs", name, exc, delay)
                 finally:
                     stream.cancel()
+                    if on_lost is not None:
+                        on_lost()
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
 

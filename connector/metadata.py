@@ -5,39 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-
-@dataclass(frozen=True)
-class SourceReady:
-    """P: a request's KV is complete once this step's forward has run."""
-
-    req_id: str
-    transfer_id: str
-    attempt: int
-    client_request_id: str
-    decode_engine_id: str
-    blocks: tuple[tuple[int, ...], ...]  # per KV cache group, from token 0
-    num_tokens: int
-    hold_s: float  # how long the source may be held waiting for the decode side
-    traceparent: str
-    arrival_ns: int  # request arrival (wall clock), for the queue span
-    scheduled_ns: int  # first scheduled (wall clock), for the prefill span
-
-
-@dataclass(frozen=True)
-class RecvExpected:
-    """D: a request waits for KV of this transfer attempt."""
-
-    req_id: str
-    transfer_id: str
-    attempt: int
-    alloc_ns: int  # when its blocks were allocated (wall clock)
-    traceparent: str
+from kvpush.connector.handoff import RecvExpected, SourceReady
 
 
 @dataclass
@@ -53,21 +23,6 @@ class KvpushMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvpushHandshake(KVConnectorHandshakeMetadata):
-    """Worker → scheduler at startup: the engine's credentials after registration."""
+    """Worker → scheduler at startup: the engine incarnation its ranks registered."""
 
-    engine_token: str
     incarnation: str
-
-
-@dataclass
-class KvpushWorkerMeta(KVConnectorWorkerMetadata):
-    """Worker → scheduler during serving: the engine token after the rank registered again.
-
-    A restarted control plane with a new key issues new engine tokens; the
-    decode scheduler signs its registrations with the workers' latest one.
-    """
-
-    engine_token: str
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        return self

@@ -96,12 +96,16 @@ class KvAgent:
         """
         self._agent.send_notif(peer, HELLO)
 
-    def post_write(self, peer: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, device: int, notif: bytes) -> PostedWrite:
-        """Posts one WRITE of the given segments with a completion notification."""
+    def post_write(self, peer: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_device: int, dst_device: int,
+                   notif: bytes) -> PostedWrite:
+        """Posts one WRITE of the given segments with a completion notification.
+
+        src_device is this rank's device, dst_device the peer rank's: a P/D pair
+        on different device indexes must name each side's own.
+        """
         n = int(lengths.size)
-        dev = np.full(n, device, dtype=np.uint64)
-        src_descs = self._agent.get_xfer_descs(np.stack([src, lengths, dev], axis=1), self.memory_kind)
-        dst_descs = self._agent.get_xfer_descs(np.stack([dst, lengths, dev], axis=1), self.memory_kind)
+        src_descs = self._agent.get_xfer_descs(np.stack([src, lengths, np.full(n, src_device, dtype=np.uint64)], axis=1), self.memory_kind)
+        dst_descs = self._agent.get_xfer_descs(np.stack([dst, lengths, np.full(n, dst_device, dtype=np.uint64)], axis=1), self.memory_kind)
         handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notif)
         state = self._agent.transfer(handle)
         if state == "ERR":
@@ -114,6 +118,7 @@ class KvAgent:
         return self._agent.check_xfer_state(write.handle)
 
     def release(self, write: PostedWrite) -> None:
+        """Frees a finished WRITE's handle, or aborts one still in flight."""
         self._agent.release_xfer_handle(write.handle)
 
     def notifications(self) -> dict[str, list[bytes]]:

@@ -1,30 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The prefill worker's transfer thread.
+"""The prefill worker's transfer logic: match finished prefills with write orders and WRITE them, fenced.
 
-It owns the worker's NIXL agent. The engine thread hands it finished
-prefills (sources); the control loop hands it write orders, revocations,
-closures and decode engines seen by the registrar. When a source and an order
-for the same (transfer_id, attempt) meet, the thread builds the merged
-segment plan, posts one NIXL WRITE per destination rank (each with its
-completion notification), polls them to completion and reports the result.
-The engine loop never waits on any of this.
+ProducerCore is deterministic: it reads time only from its Clock and talks
+to NIXL only through a Transport, so the protocol simulation
+(kvpush.sim) drives the very same code the worker runs. Producer wraps it
+in the worker's transfer thread.
+
+Self-fencing (docs/design.md, "Fencing"): a rank posts a WRITE for an order
+only while (1) the order's budget, measured from the broker's send time,
+has not run out; (2) the order's stream is still the current one and its
+stream lease (renewed by every message, heartbeats included) holds; (3) no
+WRITE for that (transfer_id, attempt) was posted before; (4) its source
+holds every token the destination needs. The checks run again right before
+the post, after the CUDA sync and the plan build. A posted WRITE still in
+flight write_timeout later is aborted (its handle released before any
+progress call) and reported FAILED. A rank's answer to a revocation is the
+truth: REVOKED only when nothing was or will be posted.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from kvpush.connector.metadata import SourceReady
-from kvpush.connector.nixl_agent import KvAgent, PostedWrite
-from kvpush.connector.spans import Spans
+from kvpush.connector.handoff import SourceReady
+from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.connector.transfer_thread import TransferThread
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout import heads
 from kvpush.layout.geometry import dtype_bytes, planes_from_layout
@@ -32,21 +39,33 @@ from kvpush.layout.plan import Plan, Side, build_plan
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
+from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 
 NOTIF_PREFIX = "kvpush1"
-# A WRITE must be posted this long before the order's budget runs out, so it
-# completes before the decode side may give its blocks away.
-WRITE_SAFETY_S = 0.5
-OUTCOME_MEMORY = 10_000
+# Answered keys remembered, so a repeated order or revocation gets the same truthful answer.
+OUTCOME_MEMORY = 100_000
 
 Key = tuple[str, int]
+WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
 
 
-def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int) -> bytes:
-    """The completion notification a WRITE carries (transfer ids never contain '|')."""
-    return f"{NOTIF_PREFIX}|{transfer_id}|{attempt}|{producer_rank}|{expected}".encode()
+def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int) -> bytes:
+    """The completion notification a WRITE carries (transfer ids never contain '|'): it names the tokens written."""
+    return f"{NOTIF_PREFIX}|{transfer_id}|{attempt}|{producer_rank}|{expected}|{first_token}|{num_tokens}".encode()
+
+
+class Transport(Protocol):
+    """What the core needs of a NIXL agent (KvAgent; a simulated one in kvpush.sim)."""
+
+    def add_peer(self, metadata: bytes) -> str: ...
+    def remove_peer(self, name: str) -> None: ...
+    def warm_up(self, peer: str) -> None: ...
+    def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite: ...
+    def poll(self, write: PostedWrite) -> str: ...
+    def release(self, write: PostedWrite) -> None: ...
+    def notifications(self) -> dict[str, list[bytes]]: ...
 
 
 @dataclass(frozen=True)
@@ -58,14 +77,16 @@ class LocalLayout:
     tp_size: int
     device: int
 
-    def side(self, group: int, block_ids, first_token: int) -> Side:
-        return _side(self.layout, group, block_ids, first_token)
-
 
 def _side(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int) -> Side:
     block_size = next(g.block_size for g in layout.groups if g.group_index == group)
     return Side(planes_from_layout(layout, group), dtype_bytes(layout), layout.head_size, block_size, layout.first_head,
                 np.asarray(block_ids, dtype=np.int64), first_token, layout.num_local_heads)
+
+
+def device_of(layout: engine_pb2.KvLayout) -> int:
+    """The device a rank's KV cache lives on (its regions share one)."""
+    return layout.regions[0].device_id if layout.regions else 0
 
 
 @dataclass
@@ -81,6 +102,37 @@ class Peer:
 
 
 @dataclass
+class WritePlan:
+    """One WRITE to one decode rank."""
+
+    d_rank: int
+    plan: Plan
+    expected: int
+
+
+def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb2.WriteOrder, peer: Peer) -> list[WritePlan]:
+    """Byte segments from this rank's source blocks to each of its decode ranks' destination blocks."""
+    producers = heads.even_split(local.layout.total_kv_heads, local.tp_size)
+    consumers = [heads.RankHeads(tp, r.layout.first_head, r.layout.num_local_heads) for tp, r in sorted(peer.ranks.items())]
+    routes = heads.routes(producers, consumers)
+    destination = order.destination
+    first_token = destination.first_token
+    token_range = (first_token, first_token + destination.num_tokens)
+    dst_blocks = {b.group_index: b.block_ids for b in destination.blocks}
+    plans = []
+    for d_rank in order.decode_tp_ranks:
+        mine = [r for r in routes if r.producer == local.tp_rank and r.consumer == d_rank]
+        layout = peer.ranks[d_rank].layout
+        parts = []
+        for group, src_ids in enumerate(ready.blocks):
+            src = _side(local.layout, group, src_ids, 0)
+            dst = _side(layout, group, dst_blocks[group], first_token)
+            parts += [build_plan(src, dst, token_range, (r.first_head, r.stop)) for r in mine]
+        plans.append(WritePlan(d_rank, _concat(parts), heads.expected_notifications(d_rank, routes)))
+    return plans
+
+
+@dataclass
 class Source:
     ready: SourceReady
     hold_until: float
@@ -91,7 +143,8 @@ class Source:
 @dataclass
 class Order:
     order: transfer_pb2.WriteOrder
-    write_by: float
+    stream: int  # the stream generation it came on
+    post_by: float  # monotonic: no WRITE for it after this
     received_ns: int
     sent_ns: int
 
@@ -103,160 +156,141 @@ class Job:
     order: Order
     writes: list[PostedWrite] = field(default_factory=list)
     post_ns: int = 0
-    prep_ns: int = 0
+    abort_at: float = 0.0
     failed: str = ""
 
 
-class Producer:
-    """Matches sources with orders and writes them; one per prefill worker."""
+class ProducerCore:
+    """One prefill rank's transfer state machine (single-threaded)."""
 
     def __init__(
         self,
-        agent: KvAgent,
+        transport: Transport,
         local: LocalLayout,
         engine_id: str,
         report: Callable[[rv_pb.ReportWriteResultRequest], None],
-        spans: Spans,
-        poll_interval_s: float,
-        idle_poll_s: float,
+        spans,
+        clock: Clock,
+        plan_writes: Callable[[Source, Order, Peer], list[WritePlan]] | None = None,
     ):
-        self.agent = agent
+        self.transport = transport
         self.local = local
         self.engine_id = engine_id
         self.report = report
         self.spans = spans
-        self.poll_interval_s = poll_interval_s
-        self.idle_poll_s = idle_poll_s
-        self.ready = threading.Event()  # set when a source was released
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._finished: set[str] = set()
-        self._written: dict[str, tuple[int, SourceReady]] = {}  # released after a WRITE: its completion time
-        self._finished_lock = threading.Lock()
+        self.clock = clock
+        self._plan_writes = plan_writes or self._build_plans
+        self._released: dict[str, tuple[int, SourceReady]] = {}  # req_id -> (WRITE completion ns or 0, source)
+        self._released_lock = threading.Lock()
+        self.on_release: Callable[[], None] = lambda: None
         self._sources: dict[Key, Source] = {}
         self._orders: dict[Key, Order] = {}
         self._jobs: dict[Key, Job] = {}
-        self._closed: set[Key] = set()
-        self._outcomes: OrderedDict[Key, int] = OrderedDict()  # answered keys, to answer revocations truthfully
+        self._closed: OrderedDict[Key, None] = OrderedDict()
+        self._outcomes: OrderedDict[Key, tuple[int, int, str]] = OrderedDict()  # answered keys: (outcome, reason, message)
         self._peers: dict[str, Peer] = {}
-        self._producers = heads.even_split(local.layout.total_kv_heads, local.tp_size)
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name=f"kvpush-producer-{local.tp_rank}", daemon=True)
-        self._thread.start()
+        self._retiring: list[str] = []  # peer agents to unload once no WRITE to them is in flight
+        self._stream = 0  # current order stream generation (0: none)
+        self._stream_valid_until = float("-inf")
 
-    # ---- handed over from other threads -------------------------------------------
+    # ---- inputs (from the transfer thread's inbox) ----------------------------------
 
-    def source_ready(self, ready: SourceReady, ready_event=None) -> None:
-        """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
-        self._inbox.put(("source", ready, time.time_ns(), ready_event))
-
-    def on_order_stream(self, message: rv_pb.StreamWriteOrdersResponse) -> None:
-        kind = message.WhichOneof("message")
-        self._inbox.put((kind, getattr(message, kind), message.send_time.ToNanoseconds(), time.time_ns()))
-
-    def on_engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
-        self._inbox.put(("engine", event))
-
-    def take_finished(self) -> set[str]:
-        """Released sources; the `p.completion` span runs from the WRITE's completion to this hand-back."""
-        with self._finished_lock:
-            done, self._finished = self._finished, set()
-            written, self._written = self._written, {}
-        self.ready.clear()
-        now_ns = time.time_ns()
-        for written_ns, ready in written.values():
-            self.spans.emit("p.completion", written_ns, now_ns, ready)
-        return done
-
-    def has_work(self) -> bool:
-        return bool(self._sources)
-
-    def stop(self) -> None:
-        self._stop = True
-        self._inbox.put(("stop",))
-        self._thread.join(timeout=5)
-
-    # ---- the thread ---------------------------------------------------------------
-
-    def _run(self) -> None:
-        while not self._stop:
-            try:
-                self._step()
-            except Exception:  # never let one bad message kill the transfer thread
-                logger.exception("kvpush producer: unexpected error")
-
-    def _step(self) -> None:
-        timeout = self.poll_interval_s if self._jobs else self._idle_timeout()
-        try:
-            item = self._inbox.get(timeout=timeout)
-        except queue.Empty:
-            item = None
-        while item is not None:
-            self._handle(item)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                item = None
-        self._poll_jobs()
-        self._expire()
-        if not self._jobs:
-            self.agent.notifications()  # progress connection setup with decode agents
-
-    def _idle_timeout(self) -> float:
-        now = time.monotonic()
-        deadlines = [s.hold_until for s in self._sources.values()] + [o.write_by for o in self._orders.values()]
-        if not deadlines:
-            return self.idle_poll_s
-        return max(0.0, min(self.idle_poll_s, min(deadlines) - now))
-
-    def _handle(self, item: tuple) -> None:
+    def handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "source":
-            ready: SourceReady = item[1]
-            key = (ready.transfer_id, ready.attempt)
-            source = Source(ready, time.monotonic() + ready.hold_s, item[2], item[3])
-            if key in self._closed:
-                self._release(source)
-                return
+            self.source_ready(item[1], item[2])
+        elif kind == "stream":
+            self.stream_message(item[1], item[2])
+        elif kind == "stream_opened":
+            self.stream_opened(item[1])
+        elif kind == "stream_lost":
+            self.stream_lost(item[1])
+        elif kind == "engine":
+            self.engine_event(item[1])
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    @property
+    def holds_sources(self) -> bool:
+        return bool(self._sources)
+
+    def source_ready(self, ready: SourceReady, ready_event=None) -> None:
+        key = (ready.transfer_id, ready.attempt)
+        source = Source(ready, self.clock.now() + ready.hold_s, self._wall_ns(), ready_event)
+        held = self._sources.get(key)
+        if held is not None and held.ready.req_id != ready.req_id:
+            logger.error("kvpush producer: request %s reuses transfer key %s of request %s; not transferring it", ready.req_id, key, held.ready.req_id)
+            self._release(source)
+        elif key in self._closed or key in self._outcomes:
+            self._release(source)  # the attempt ended, or this rank already answered for it
+        else:
             self._sources[key] = source
             self._try_start(key)
-        elif kind == "order":
-            order: transfer_pb2.WriteOrder = item[1]
-            key = (order.key.transfer_id, order.key.attempt)
-            if key in self._closed or key in self._jobs or key in self._outcomes:
-                return  # at most one write per (transfer, attempt) on this rank
-            budget = order.write_budget.ToTimedelta().total_seconds()
-            self._orders[key] = Order(order, time.monotonic() + budget - WRITE_SAFETY_S, item[3], item[2])
-            self._try_start(key)
+
+    def stream_opened(self, stream: int) -> None:
+        """A new order stream replaces the old one: orders from the old one are void (the new one resyncs them)."""
+        self._stream = stream
+        self._stream_valid_until = float("-inf")
+        self._drop_unposted()
+
+    def stream_lost(self, stream: int) -> None:
+        if stream == self._stream:
+            self._stream = 0
+            self._drop_unposted()
+
+    def stream_message(self, stream: int, message: rv_pb.StreamWriteOrdersResponse) -> None:
+        if stream != self._stream:
+            return  # a replaced stream's late message
+        now = self.clock.now()
+        sent_ns = message.send_time.ToNanoseconds()
+        # Time since the broker stamped it, by this host's wall clock; the
+        # broker took the skew allowance off the budget and lease it sent.
+        age = self.clock.wall() - sent_ns / 1e9
+        lease_end = now + message.stream_lease.ToTimedelta().total_seconds() - age
+        self._stream_valid_until = max(self._stream_valid_until, lease_end)
+        kind = message.WhichOneof("message")
+        if kind == "order":
+            self._on_order(message.order, stream, now + message.order.write_budget.ToTimedelta().total_seconds() - age, sent_ns)
         elif kind == "revocation":
-            key = (item[1].key.transfer_id, item[1].key.attempt)
+            key = (message.revocation.key.transfer_id, message.revocation.key.attempt)
             self._orders.pop(key, None)
             if key not in self._jobs:  # a job in flight answers when it completes
-                self._answer(key, self._outcomes.get(key, transfer_pb2.WRITE_OUTCOME_REVOKED), Job(key, None, None))  # type: ignore[arg-type]
+                outcome = self._outcomes.get(key, (REVOKED, 0, ""))
+                self._answer(key, *outcome)
         elif kind == "closed":
-            key = (item[1].key.transfer_id, item[1].key.attempt)
+            key = (message.closed.key.transfer_id, message.closed.key.attempt)
             self._orders.pop(key, None)
-            self._closed.add(key)
-            if len(self._closed) > OUTCOME_MEMORY:
-                self._closed.pop()
+            self._remember(self._closed, key, None)
             source = self._sources.get(key)
             if source is not None and key not in self._jobs:
                 del self._sources[key]
                 self._release(source)
-        elif kind == "engine":
-            self._on_engine(item[1])
 
-    def _on_engine(self, event: reg_pb.WatchEnginesResponse) -> None:
-        engine = event.engine
-        if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED:
-            peer = self._peers.pop(engine.engine_id, None)
-            if peer is not None:
-                for rank in peer.ranks.values():
-                    self.agent.remove_peer(rank.agent)
+    def _on_order(self, order: transfer_pb2.WriteOrder, stream: int, post_by: float, sent_ns: int) -> None:
+        key = (order.key.transfer_id, order.key.attempt)
+        if key in self._jobs:
+            return  # at most one WRITE per (transfer, attempt) on this rank; the job answers
+        if key in self._outcomes:
+            self._answer(key, *self._outcomes[key])  # a resent order: the same answer again
             return
+        if key in self._closed:
+            self._answer(key, REVOKED, 0, "the attempt was closed before its order arrived")
+            return
+        self._orders[key] = Order(order, stream, post_by, self._wall_ns(), sent_ns)
+        self._try_start(key)
+
+    def engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
+        engine = event.engine
         peer = self._peers.get(engine.engine_id)
-        if peer is not None and peer.incarnation != engine.incarnation:
-            for rank in peer.ranks.values():
-                self.agent.remove_peer(rank.agent)
+        if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED or (peer is not None and peer.incarnation != engine.incarnation):
+            if peer is not None:
+                del self._peers[engine.engine_id]
+                for rank in peer.ranks.values():
+                    self._retire(rank.agent)
+            if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED:
+                return
             peer = None
         if peer is None:
             peer = self._peers[engine.engine_id] = Peer(engine.incarnation, {})
@@ -264,11 +298,65 @@ class Producer:
             tp = registered.rank.tp_rank
             if tp in peer.ranks:
                 continue
-            name = self.agent.add_peer(registered.nixl.agent_metadata)
-            self.agent.warm_up(name)
+            name = self.transport.add_peer(registered.nixl.agent_metadata)
+            self.transport.warm_up(name)
             peer.ranks[tp] = PeerRank(name, registered.layout)
         for key in list(self._orders):
             self._try_start(key)
+
+    def _retire(self, agent: str) -> None:
+        """Unloads a peer agent once no WRITE to it is in flight (step() does it)."""
+        self._retiring.append(agent)
+
+    def take_released(self) -> tuple[set[str], dict[str, tuple[int, SourceReady]]]:
+        """Released sources by req_id, and of those the ones released after a WRITE (completion ns, source)."""
+        with self._released_lock:
+            released, self._released = self._released, {}
+        return set(released), {req: info for req, info in released.items() if info[0]}
+
+    # ---- progress ---------------------------------------------------------------------
+
+    def step(self) -> float | None:
+        """Aborts overdue WRITEs (before any progress call), expires orders and sources, polls WRITEs."""
+        now = self.clock.now()
+        self._abort_overdue(now)
+        if now >= self._stream_valid_until:
+            self._drop_unposted()
+        for key, order in list(self._orders.items()):
+            if now >= order.post_by:
+                del self._orders[key]  # its budget ran out; the broker revokes it and gets REVOKED then
+        for key, source in list(self._sources.items()):
+            if now >= source.hold_until and key not in self._jobs:
+                logger.warning("kvpush producer: releasing %s after its hold deadline without a write", key)
+                del self._sources[key]
+                self._release(source)
+        for key, job in list(self._jobs.items()):
+            states = [self.transport.poll(w) for w in job.writes]
+            if "PROC" not in states:
+                self._finish(key, job, "a NIXL WRITE completed with an error" if "ERR" in states else "")
+        if self._retiring:
+            in_use = {w.peer for job in self._jobs.values() for w in job.writes}
+            for name in [n for n in self._retiring if n not in in_use]:
+                self.transport.remove_peer(name)
+                self._retiring.remove(name)
+        if not self._jobs:
+            self.transport.notifications()  # progresses connection setup with decode agents
+        due = [s.hold_until for k, s in self._sources.items() if k not in self._jobs]
+        due += [o.post_by for o in self._orders.values()] + [j.abort_at for j in self._jobs.values()]
+        if self._orders:
+            due.append(self._stream_valid_until)
+        return min(due) if due else None
+
+    def _abort_overdue(self, now: float) -> None:
+        """Releases WRITEs still in flight past their write timeout (before any call that makes progress)."""
+        for key, job in list(self._jobs.items()):
+            if now >= job.abort_at:
+                timeout = job.order.order.write_timeout.ToTimedelta().total_seconds()
+                self._finish(key, job, f"the WRITE was still in flight {timeout:g}s after its post; aborted")
+
+    def _drop_unposted(self) -> None:
+        """Orders not yet posted are void once their stream is gone or quiet: the broker resends what is still wanted."""
+        self._orders.clear()
 
     def _try_start(self, key: Key) -> None:
         source, order = self._sources.get(key), self._orders.get(key)
@@ -279,110 +367,157 @@ class Producer:
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
             return  # the registrar's view of the decode engine hasn't arrived yet
         del self._orders[key]
+        short = self._short_of_tokens(source, destination)
+        if short:
+            # An early order bypasses the broker's token check: a tokenizer or template drift
+            # between P and D must not leave D decoding on KV it never got.
+            self._answer(key, REVOKED, transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, short)
+            del self._sources[key]
+            self._release(source)
+            return
+        if not self._may_post(order):
+            return
         job = Job(key, source, order)
-        if time.monotonic() > order.write_by:
-            logger.warning("kvpush producer: order %s arrived too late to write; dropping", key)
-            self._answer(key, transfer_pb2.WRITE_OUTCOME_REVOKED, job)
-        else:
-            self._jobs[key] = job
-            try:
-                self._post(job, peer)
-            except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
-                logger.exception("kvpush producer: WRITE for %s could not be posted", key)
-                job.failed = str(exc)
+        t0 = self._wall_ns()
+        try:
+            plans = self._plan_writes(source, order, peer)
+        except Exception as exc:  # a plan that cannot be built fails the attempt, loudly
+            logger.exception("kvpush producer: WRITE plan for %s could not be built", key)
+            self._answer(key, FAILED, 0, f"the WRITE plan could not be built: {exc}")
+            return
+        prep_ns = self._wall_ns()
+        ready = source.ready
+        self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(len(p.plan) for p in plans))
+        if not self._may_post(order):
+            return  # the plan build or the CUDA sync outlasted the budget or the stream
+        self._jobs[key] = job
+        job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
+        try:
+            for p in plans:
+                layout = peer.ranks[p.d_rank].layout
+                notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, p.expected, destination.first_token, destination.num_tokens)
+                job.writes.append(self.transport.post_write(peer.ranks[p.d_rank].agent, p.plan.src, p.plan.dst, p.plan.lengths,
+                                                            self.local.device, device_of(layout), notif))
+        except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
+            logger.exception("kvpush producer: WRITE for %s could not be posted", key)
+            job.failed = str(exc)
+        job.post_ns = self._wall_ns()
+        self.spans.emit("p.write_post", prep_ns, job.post_ns, ready, writes=len(job.writes))
         # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
         # under P's request; the broker's context (D's registration for an early order) is a link.
-        self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, source.ready,
+        self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
                         links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
+        if job.failed:
+            self._finish(key, job, job.failed)
 
-    def _post(self, job: Job, peer: Peer) -> None:
-        ready, order = job.source.ready, job.order.order
-        destination = order.destination
-        t0 = time.time_ns()
-        if job.source.ready_event is not None:
-            job.source.ready_event.synchronize()  # the forward that wrote these blocks has finished
-        consumers = [heads.RankHeads(tp, r.layout.first_head, r.layout.num_local_heads) for tp, r in sorted(peer.ranks.items())]
-        routes = heads.routes(self._producers, consumers)
-        first_token = destination.first_token
-        token_range = (first_token, min(first_token + destination.num_tokens, ready.num_tokens))
-        dst_blocks = {b.group_index: b.block_ids for b in destination.blocks}
-        plans: list[tuple[int, Plan, int]] = []
-        for d_rank in order.decode_tp_ranks:
-            mine = [r for r in routes if r.producer == self.local.tp_rank and r.consumer == d_rank]
-            expected = heads.expected_notifications(d_rank, routes)
-            layout = peer.ranks[d_rank].layout
-            parts = []
-            for group, src_ids in enumerate(ready.blocks):
-                src = self.local.side(group, src_ids, 0)
-                dst = _side(layout, group, dst_blocks[group], first_token)
-                parts += [build_plan(src, dst, token_range, (r.first_head, r.stop)) for r in mine]
-            plans.append((d_rank, _concat(parts), expected))
-        job.prep_ns = time.time_ns()
-        self.spans.emit("p.descriptor_prep", t0, job.prep_ns, ready, descriptors=sum(len(p) for _, p, _ in plans))
-        for d_rank, plan, expected in plans:
-            notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, expected)
-            job.writes.append(self.agent.post_write(peer.ranks[d_rank].agent, plan.src, plan.dst, plan.lengths, self.local.device, notif))
-        job.post_ns = time.time_ns()
-        self.spans.emit("p.write_post", job.prep_ns, job.post_ns, ready, writes=len(job.writes))
+    @staticmethod
+    def _short_of_tokens(source: Source, destination: transfer_pb2.Destination) -> str:
+        needed = destination.first_token + destination.num_tokens
+        if source.ready.num_tokens >= needed:
+            return ""
+        return f"this prefill computed {source.ready.num_tokens} tokens; the destination needs {needed}"
 
-    def _poll_jobs(self) -> None:
-        for key, job in list(self._jobs.items()):
-            states = [self.agent.poll(w) for w in job.writes] if not job.failed else []
-            if any(s == "PROC" for s in states):
-                continue
-            done_ns = time.time_ns()
-            for w in job.writes:
-                self.agent.release(w)
-            if "ERR" in states:
-                job.failed = "a NIXL WRITE completed with an error"
-            del self._jobs[key]
-            outcome = transfer_pb2.WRITE_OUTCOME_FAILED if job.failed else transfer_pb2.WRITE_OUTCOME_WRITTEN
-            nbytes = sum(w.bytes for w in job.writes)
-            descriptors = sum(w.descriptors for w in job.writes)
-            ready = job.source.ready
+    def _may_post(self, order: Order) -> bool:
+        """The self-fencing checks, run right before a post."""
+        now = self.clock.now()
+        if order.stream != self._stream or now >= self._stream_valid_until:
+            return False  # its stream is gone or quiet: the broker resends it on the next one if still wanted
+        if now >= order.post_by:
+            key = (order.order.key.transfer_id, order.order.key.attempt)
+            logger.warning("kvpush producer: order %s is past its write budget; not writing", key)
+            self._answer(key, REVOKED, 0, "the order's write budget ran out before the WRITE could be posted")
+            return False
+        return True
+
+    def _build_plans(self, source: Source, order: Order, peer: Peer) -> list[WritePlan]:
+        if source.ready_event is not None:
+            source.ready_event.synchronize()  # the forward that wrote these blocks has finished
+        return build_write_plans(self.local, source.ready, order.order, peer)
+
+    def _finish(self, key: Key, job: Job, failure: str) -> None:
+        done_ns = self._wall_ns()
+        for w in job.writes:
+            self.transport.release(w)  # aborts a WRITE still in flight
+        del self._jobs[key]
+        nbytes = sum(w.bytes for w in job.writes)
+        descriptors = sum(w.descriptors for w in job.writes)
+        ready = job.source.ready
+        if job.post_ns:
             seconds = max(done_ns - job.post_ns, 1) / 1e9
-            self.spans.emit("p.write_transfer", job.post_ns, done_ns, ready, bytes=nbytes, descriptors=descriptors,
-                            gbps=nbytes / seconds / 1e9, error=job.failed)
-            self._answer(key, outcome, job, nbytes=nbytes, descriptors=descriptors, done_ns=done_ns)
-            source = self._sources.pop(key, None)
-            if source is not None:
-                self._release(source, done_ns)
+            self.spans.emit("p.write_transfer", job.post_ns, done_ns, ready, bytes=nbytes, descriptors=descriptors, gbps=nbytes / seconds / 1e9, error=failure)
+        self._answer(key, FAILED if failure else WRITTEN, 0, failure, nbytes=nbytes, descriptors=descriptors, job=job, done_ns=done_ns)
+        source = self._sources.pop(key, None)
+        if source is not None:
+            self._release(source, done_ns)
 
-    def _answer(self, key: Key, outcome: int, job: Job, *, nbytes: int = 0, descriptors: int = 0, done_ns: int = 0) -> None:
-        self._outcomes[key] = outcome
-        while len(self._outcomes) > OUTCOME_MEMORY:
-            self._outcomes.popitem(last=False)
+    def _answer(self, key: Key, outcome: int, reason: int, message: str, *, nbytes: int = 0, descriptors: int = 0, job: Job | None = None, done_ns: int = 0) -> None:
+        self._remember(self._outcomes, key, (outcome, reason, message))
         request = rv_pb.ReportWriteResultRequest(
-            engine_id=self.engine_id,
-            tp_rank=self.local.tp_rank,
-            outcome=outcome,
-            bytes_written=nbytes,
-            descriptor_count=descriptors,
-            error_message=job.failed,
+            engine_id=self.engine_id, tp_rank=self.local.tp_rank, outcome=outcome, bytes_written=nbytes, descriptor_count=descriptors,
+            error_message=message, reason=reason,
         )
         request.key.transfer_id, request.key.attempt = key
-        if job.post_ns:
+        if job is not None and job.post_ns:
             request.post_time.FromNanoseconds(job.post_ns)
             request.transfer_duration.FromNanoseconds(max(done_ns - job.post_ns, 0))
         self.report(request)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for key, order in list(self._orders.items()):
-            if now > order.write_by:
-                del self._orders[key]  # the broker revokes it at its deadline; we answer then
-        for key, source in list(self._sources.items()):
-            if now > source.hold_until and key not in self._jobs:
-                logger.warning("kvpush producer: releasing %s after its hold deadline without a write", key)
-                del self._sources[key]
-                self._release(source)
+    @staticmethod
+    def _remember(memory: OrderedDict, key: Key, value) -> None:
+        memory[key] = value
+        while len(memory) > OUTCOME_MEMORY:
+            memory.popitem(last=False)
 
     def _release(self, source: Source, written_ns: int = 0) -> None:
-        with self._finished_lock:
-            self._finished.add(source.ready.req_id)
-            if written_ns:
-                self._written[source.ready.req_id] = (written_ns, source.ready)
-        self.ready.set()
+        with self._released_lock:
+            self._released[source.ready.req_id] = (written_ns, source.ready)
+        self.on_release()
+
+    def _wall_ns(self) -> int:
+        return int(self.clock.wall() * 1e9)
+
+
+class Producer:
+    """A prefill worker's transfer thread around its ProducerCore; the engine thread only hands work over."""
+
+    def __init__(self, core: ProducerCore, poll_interval_s: float, idle_poll_s: float):
+        self.core = core
+        self.ready = threading.Event()  # set when a source was released
+        core.on_release = self.ready.set
+        self._thread = TransferThread(f"kvpush-producer-{core.local.tp_rank}", core, poll_interval_s, idle_poll_s)
+        self._streams = 0
+
+    def source_ready(self, ready: SourceReady, ready_event=None) -> None:
+        """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
+        self._thread.put(("source", ready, ready_event))
+
+    def open_stream(self) -> Callable[[rv_pb.StreamWriteOrdersResponse], None]:
+        """A new order stream: returns the callback for its messages (messages of older streams are ignored)."""
+        self._streams += 1
+        stream = self._streams
+        self._thread.put(("stream_opened", stream))
+        return lambda message: self._thread.put(("stream", stream, message))
+
+    def stream_lost(self) -> None:
+        self._thread.put(("stream_lost", self._streams))
+
+    def on_engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
+        self._thread.put(("engine", event))
+
+    def take_finished(self) -> set[str]:
+        """Released sources; the `p.completion` span runs from the WRITE's completion to this hand-back."""
+        self.ready.clear()  # before taking: a release racing with us sets it again
+        done, written = self.core.take_released()
+        now_ns = int(self.core.clock.wall() * 1e9)
+        for written_ns, ready in written.values():
+            self.core.spans.emit("p.completion", written_ns, now_ns, ready)
+        return done
+
+    def has_work(self) -> bool:
+        return self.core.holds_sources
+
+    def stop(self) -> None:
+        self._thread.stop()
 
 
 def _concat(plans: list[Plan]) -> Plan:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import time
 import uuid
 from typing import Any
@@ -19,16 +18,17 @@ from typing import Any
 import torch
 
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.consumer import Consumer
+from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.control import ControlSession
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
-from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata, KvpushWorkerMeta
+from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
-from kvpush.connector.producer import LocalLayout, Producer
+from kvpush.connector.producer import LocalLayout, Producer, ProducerCore
 from kvpush.connector.spans import Spans
 from kvpush.engine.v1 import engine_pb2
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.services.common.clock import SystemClock
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +71,6 @@ class KvpushWorker:
         self.kv_cache_config = kv_cache_config
         self.incarnation = incarnation_of(vllm_config, config.engine_id)
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks()
-        # The transfer thread shares the GIL with the engine thread, which
-        # rarely blocks: with CPython's default 5 ms switch interval a WRITE
-        # ready to post could wait that long behind the next engine step.
-        sys.setswitchinterval(config.gil_switch_interval_ms / 1000)
         if self.pp_size > 1:
             raise ValueError("kvpush: pipeline parallelism is not supported yet (pp_size > 1)")
         self.spans = Spans(config.engine_id, config.role)
@@ -82,7 +78,6 @@ class KvpushWorker:
         self.session: ControlSession | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
-        self.engine_token = ""
         self.memory_is_device = False
 
     # ---- startup --------------------------------------------------------------------
@@ -107,26 +102,29 @@ class KvpushWorker:
             layout=layout,
             compatibility_hash=compatibility_hash(self.vllm_config, layout),
         )
+        request.lease_ttl.FromNanoseconds(int(self.config.lease_ttl_s * 1e9))
         self.session = ControlSession(self.config, f"kvpush-control-tp{self.tp_rank}")
         lease = self.session.register_rank(request)
-        self.engine_token = lease.engine_token
-        self.session.set_engine_token(lease.engine_token)
         self.session.keep_alive(request, lease)
         poll_s, idle_s = self.config.poll_interval_ms / 1000, self.config.idle_poll_ms / 1000
         broker = self.session.broker
+        clock = SystemClock()
         if self.config.role == "prefill":
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
-            self.producer = Producer(self.agent, local, self.config.engine_id,
-                                     lambda r: self.session.submit(broker.report_write_result(r), "ReportWriteResult"), self.spans, poll_s, idle_s)
+            core = ProducerCore(self.agent, local, self.config.engine_id,
+                                lambda r: self.session.submit(broker.report_write_result(r), "ReportWriteResult"), self.spans, clock)
+            self.producer = Producer(core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
             self.session.follow("WatchEngines", lambda: self.session.registrar.watch_engines(watch), self.producer.on_engine_event)
             orders = rv_pb.StreamWriteOrdersRequest(
                 engine_id=self.config.engine_id, incarnation=self.incarnation, tp_rank=self.tp_rank,
                 pp_rank=self.pp_rank, early_orders=self.config.early_orders,
             )
-            self.session.follow("StreamWriteOrders", lambda: broker.stream_write_orders(orders), self.producer.on_order_stream)
+            # Each stream is its own generation: orders are only acted on while their stream lives.
+            self.session.follow("StreamWriteOrders", lambda: broker.stream_write_orders(orders), None,
+                                on_open=self.producer.open_stream, on_lost=self.producer.stream_lost)
         else:
-            self.consumer = Consumer(self.agent, self.spans, poll_s, idle_s)
+            self.consumer = Consumer(ConsumerCore(self.agent, self.spans, clock), poll_s, idle_s)
         logger.info("kvpush: %s rank tp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank,
                     layout.memory_kind and engine_pb2.MemoryKind.Name(layout.memory_kind), len(layout.regions), name)
 
@@ -151,14 +149,7 @@ class KvpushWorker:
                             num_local_heads=spec.num_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def handshake(self) -> KvpushHandshake:
-        return KvpushHandshake(engine_token=self.engine_token, incarnation=self.incarnation)
-
-    def worker_meta(self) -> KvpushWorkerMeta | None:
-        """The engine token, once after it changed (the rank registered again)."""
-        if self.session is None or self.session.engine_token == self.engine_token:
-            return None
-        self.engine_token = self.session.engine_token
-        return KvpushWorkerMeta(self.engine_token)
+        return KvpushHandshake(incarnation=self.incarnation)
 
     # ---- per step -------------------------------------------------------------------
 

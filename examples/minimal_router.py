@@ -9,7 +9,7 @@ cancel the attempt at the broker when a leg fails, and ask the broker how
 the transfer ended (answered in the X-Kvpush-Transfer-State header).
 
     python examples/minimal_router.py --prefill http://127.0.0.1:8100=prefill-0 \\
-        --decode http://127.0.0.1:8200=decode-0 --control-plane 127.0.0.1:50051 --token-file token --port 8000
+        --decode http://127.0.0.1:8200=decode-0 --control-plane 127.0.0.1:50051 --token-file runs/tokens/router --port 8000
 """
 
 import argparse
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--prefill", type=engine, required=True, metavar="URL=ENGINE_ID")
     parser.add_argument("--decode", type=engine, required=True, metavar="URL=ENGINE_ID")
     parser.add_argument("--control-plane", required=True, help="host:port of kvpush control-plane")
-    parser.add_argument("--token-file", required=True, help="the control plane's shared token")
+    parser.add_argument("--token-file", required=True, help="the router's own token (the 'router' file of the control plane's --tokens-dir)")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     setup_tracing("minimal-router")  # exports where OTEL_* / KVPUSH_TRACES_FILE say

@@ -18,8 +18,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "registrar": ("kvpush.services.registrar.main", "run the registrar alone"),
     "broker": ("kvpush.services.broker.main", "run the rendezvous broker alone, pointed at a registrar"),
     "router": ("kvpush.services.router.main", "run the OpenAI-compatible P/D router"),
+    "tokens": ("kvpush.services.common.tokens", "create the per-identity token files of a control plane's --tokens-dir"),
     "build-model": ("kvpush.tinymodel", "build the deterministic tiny random-weight model"),
     "ttft-report": ("kvpush.report.ttft", "render the TTFT breakdown from OTLP traces"),
+    "sim": ("kvpush.sim.run", "run seeded fault-injecting simulations of the whole protocol and check its invariants"),
     "demo": ("kvpush.demo", "run the local P+D+control-plane+router stack and print results"),
 }
 

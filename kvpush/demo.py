@@ -32,6 +32,7 @@ from typing import Any
 from kvpush.processes import group_members
 from kvpush.report.breakdown import breakdown
 from kvpush.report.render import html_report, text_table, write_png
+from kvpush.services.common.tokens import create_tokens
 from kvpush.telemetry import read_spans
 from kvpush.tinymodel import build_tiny_model, corpus, default_model_dir
 
@@ -171,9 +172,12 @@ def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> str:
     """Starts control plane, P, D and router; returns the router's URL."""
     cp_dir = stack.run_dir / "control-plane"
     cp_dir.mkdir(exist_ok=True)
+    # One token per identity: each engine and the router get only their own file.
+    tokens_dir = cp_dir / "tokens"
+    create_tokens(tokens_dir, ["router", "prefill-0", "decode-0"])
     control = stack.spawn("control-plane", [
         sys.executable, "-m", "kvpush.cli", "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(cp_dir / "port"),
-        "--token-file", str(cp_dir / "token"), "--engine-token-key-file", str(cp_dir / "engine-token.key"), "--metrics-port", "0",
+        "--tokens-dir", str(tokens_dir), "--metrics-port", "0",
     ])
     address = f"127.0.0.1:{_wait_for_file(control, cp_dir / 'port', 30)}"
     _say(stack.started, f"control plane listening on {address}")
@@ -185,7 +189,7 @@ def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> str:
             "kv_connector": "KvpushConnector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "engine_id": engine_id,
-            "kv_connector_extra_config": {"control_plane": address, "token_file": str(cp_dir / "token")},
+            "kv_connector_extra_config": {"control_plane": address, "token_file": str(tokens_dir / engine_id)},
         }
         processes[role] = (stack.spawn(role, _engine_argv(model_dir, port, cpu, config), ENGINE_ENV), int(cpu), engine_id)
         engines[role] = f"http://127.0.0.1:{port}"
@@ -214,7 +218,7 @@ def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> str:
     router = stack.spawn("router", [
         sys.executable, "-m", "kvpush.cli", "router", "--listen", "127.0.0.1:0", "--port-file", str(router_port_file),
         "--prefill", f"{engines['prefill']}={processes['prefill'][2]}", "--decode", f"{engines['decode']}={processes['decode'][2]}",
-        "--control-plane", address, "--token-file", str(cp_dir / "token"),
+        "--control-plane", address, "--token-file", str(tokens_dir / "router"),
     ])
     router_url = f"http://127.0.0.1:{_wait_for_file(router, router_port_file, 30)}"
     _say(stack.started, f"router listening on {router_url}")

@@ -20,7 +20,6 @@ from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.clock import Clock, SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
-from kvpush.services.common.engine_tokens import EngineTokens
 from kvpush.services.common.server import (
     MetricsServer,
     RunningServer,
@@ -30,6 +29,7 @@ from kvpush.services.common.server import (
     run_event_loop,
     serve_until_signalled,
 )
+from kvpush.services.common.tokens import IdentityTokens, server_tokens
 from kvpush.services.registrar import servicer as registrar_servicer
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
@@ -63,24 +63,27 @@ async def start(
     registrar_config: RegistrarConfig,
     broker_config: BrokerConfig,
     *,
-    token: str,
+    tokens: IdentityTokens | None,
     clock: Clock | None = None,
     tracer_provider: trace.TracerProvider | None = None,
 ) -> ControlPlane:
-    """Builds both cores and serves them on one server (the runners are not started yet)."""
+    """Builds both cores and serves them on one server (the runners are not started yet).
+
+    tokens are the identities' tokens in token mode (None with mTLS).
+    """
     clock = clock or SystemClock()
-    registrar = RegistrarCore(registrar_config, clock, EngineTokens(server_config.resolve_engine_token_key(create=True)))
+    registrar = RegistrarCore(registrar_config, clock)
     registry = CollectorRegistry()
     register_registrar_metrics(registry, registrar)
     broker = BrokerCore(registrar, broker_config, clock, metrics=BrokerMetrics(registry), tracer_provider=tracer_provider)
-    auth = Authenticator(mtls=server_config.mtls, check_engine_token=registrar.check_engine_token)
+    auth = Authenticator(mtls=server_config.mtls)
     running = await build_server(
         server_config,
         [
             Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth)),
             Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, registrar, auth)),
         ],
-        token=token,
+        tokens=tokens,
         tracer_provider=tracer_provider,
     )
     leases = DeadlineRunner(registrar.sweep, clock, "lease expiry")
@@ -90,10 +93,9 @@ async def start(
     return ControlPlane(registrar, broker, running, registry, (leases, deadlines))
 
 
-async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, broker_config: BrokerConfig) -> int:
+async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None) -> int:
     configure_tracing("kvpush-control-plane")
-    token = "" if server_config.mtls else server_config.resolve_token()
-    plane = await start(server_config, registrar_config, broker_config, token=token)
+    plane = await start(server_config, registrar_config, broker_config, tokens=tokens)
     metrics = MetricsServer(server_config, plane.registry)
     announce("control-plane", server_config, plane.port, metrics.port)
     return await serve_until_signalled(
@@ -107,8 +109,9 @@ async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        configs = (ServerConfig.from_args(args), RegistrarConfig.from_args(args), BrokerConfig.from_args(args))
-    except ValueError as exc:
+        server_config = ServerConfig.from_args(args)
+        configs = (server_config, RegistrarConfig.from_args(args), BrokerConfig.from_args(args), server_tokens(server_config))
+    except (ValueError, OSError) as exc:
         print(f"kvpush control-plane: {exc}", file=sys.stderr)
         return 2
     return run_event_loop(serve(*configs))

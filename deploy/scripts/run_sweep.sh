@@ -3,7 +3,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Runs the push/pull sweep against a running P (:8100) and D (:8200) pair (see serve_pd.sh).
 #
-#   MODE=push CONTROL_PLANE=10.0.0.2:50051 KVPUSH_TOKEN_FILE=token PREFILL_IP=10.0.0.5 DECODE_IP=10.0.0.6 ./run_sweep.sh
+#   MODE=push CONTROL_PLANE=10.0.0.2:50051 KVPUSH_TOKEN_FILE=router PREFILL_IP=10.0.0.5 DECODE_IP=10.0.0.6 ./run_sweep.sh
+#   (KVPUSH_TOKEN_FILE: the router's own token file, `router` from `kvpush tokens`)
 #   DRY_RUN=1 MODE=pull ./run_sweep.sh      # print the commands, run nothing
 #
 # With the repository's sweep entry point (bench/sweep.py) it runs that. Otherwise it starts

@@ -3,11 +3,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # Serves one prefill or decode vLLM engine of the 1P1D benchmark topology (prefill on :8100, decode on :8200).
 #
-#   ROLE=prefill MODE=push CONTROL_PLANE=10.0.0.2:50051 KVPUSH_TOKEN_FILE=/etc/kvpush/token ./serve_pd.sh
+#   ROLE=prefill MODE=push CONTROL_PLANE=10.0.0.2:50051 KVPUSH_TOKEN_FILE=/etc/kvpush/prefill-engine-001 ./serve_pd.sh
 #   ROLE=decode  MODE=pull PREFILL_IP=10.0.0.5 DECODE_IP=10.0.0.6 ./serve_pd.sh
 #   DRY_RUN=1 ROLE=decode MODE=upstream-push ./serve_pd.sh     # print the command, run nothing
 #
-# MODE: push (kvpush's KvpushConnector: needs CONTROL_PLANE and a token file),
+# MODE: push (kvpush's KvpushConnector: needs CONTROL_PLANE and this engine's own token file,
+#       its identity's file from `kvpush tokens`, named like its engine id),
 #       pull (upstream NixlConnector), upstream-push (upstream NixlPushConnector).
 # The server runs in the foreground; its PID goes to $PID_DIR/serve_<role>.pid for cleanup.sh.
 set -euo pipefail

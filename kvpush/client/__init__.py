@@ -6,10 +6,9 @@ from kvpush.client.broker import BrokerClient
 from kvpush.client.config import ClientConfig, RetryPolicy
 from kvpush.client.loop_thread import LoopThread
 from kvpush.client.registrar import RegistrarClient
-from kvpush.client.rpc import ENGINE_TOKEN_METADATA_KEY, BidiStreamCall, StreamCall
+from kvpush.client.rpc import BidiStreamCall, StreamCall
 
 __all__ = [
-    "ENGINE_TOKEN_METADATA_KEY",
     "BidiStreamCall",
     "BrokerClient",
     "ClientConfig",

@@ -59,8 +59,19 @@ class BrokerClient(ServiceClient):
         """Cancels a transfer attempt, or every attempt of a transfer (attempt 0)."""
         return await self._unary("CancelTransfer", request, timeout_s, span_attributes(request.key.transfer_id, request.key.attempt))
 
-    async def get_transfer(self, request: pb.GetTransferRequest, *, timeout_s: float | None = None) -> pb.GetTransferResponse:
-        """Returns a transfer attempt's state and timeline."""
+    async def get_transfer(self, request: pb.GetTransferRequest, *, timeout_s: float | None = None, wait_s: float | None = None) -> pb.GetTransferResponse:
+        """Returns a transfer attempt's state and timeline.
+
+        wait_s long-polls: the broker answers when the attempt ends or wait_s
+        passes (request.wait is set on a copy); the call's deadline is
+        timeout_s (default config.default_timeout_s) on top of the wait.
+        """
+        if wait_s is not None:
+            polled = pb.GetTransferRequest()
+            polled.CopyFrom(request)
+            polled.wait.FromNanoseconds(int(wait_s * 1e9))
+            request = polled
+            timeout_s = wait_s + (self.config.default_timeout_s if timeout_s is None else timeout_s)
         return await self._unary("GetTransfer", request, timeout_s, span_attributes(request.transfer_id, request.attempt))
 
     def stream_write_orders(self, request: pb.StreamWriteOrdersRequest, *, timeout_s: float | None = None) -> StreamCall[pb.StreamWriteOrdersResponse]:

@@ -56,12 +56,9 @@ class ClientConfig:
     target: str = "127.0.0.1:50051"
     registrar_target: str = ""
     broker_target: str = ""
-    # token is the shared secret sent as "authorization: Bearer <token>".
+    # token is the caller's own token (its identity's file in the control
+    # plane's --tokens-dir), sent as "authorization: Bearer <token>".
     token: str = ""
-    # engine_token is RegisterEngineRankResponse.engine_token, sent as
-    # "kvpush-engine-token"; clients also take it after registration
-    # (RegistrarClient.engine_token = ...).
-    engine_token: str = ""
     # TLS turns on with tls=True or any of the paths below; cert + key make it mTLS.
     tls: bool = False
     ca_cert_path: str = ""

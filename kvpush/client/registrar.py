@@ -41,7 +41,7 @@ class RegistrarClient(ServiceClient):
         super().__init__(config, config.registrar_target or config.target, tracer_provider=tracer_provider)
 
     async def register_engine_rank(self, request: pb.RegisterEngineRankRequest, *, timeout_s: float | None = None) -> pb.RegisterEngineRankResponse:
-        """Registers one engine rank and returns its lease and engine token."""
+        """Registers one engine rank and returns its lease."""
         return await self._unary("RegisterEngineRank", request, timeout_s, {ATTR_ENGINE_ID: request.rank.engine_id})
 
     def keep_alive(

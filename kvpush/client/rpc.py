@@ -20,7 +20,6 @@ from kvpush import errors, status
 from kvpush.client.config import ClientConfig
 from kvpush.telemetry.context import inject_traceparent
 
-ENGINE_TOKEN_METADATA_KEY = "kvpush-engine-token"
 TRACER_NAME = "kvpush.client"
 
 ResponseT = TypeVar("ResponseT", bound=Message)
@@ -129,9 +128,6 @@ class ServiceClient:
     def __init__(self, config: ClientConfig, target: str, *, tracer_provider: trace.TracerProvider | None = None):
         self.config = config
         self.target = target
-        # engine_token: set it from RegisterEngineRankResponse.engine_token
-        # once registered; later calls carry it.
-        self.engine_token = config.engine_token
         self._tracer = trace.get_tracer(TRACER_NAME, kvpush.__version__, tracer_provider=tracer_provider)
         self._channel: grpc.aio.Channel | None = None
         self._stub: Any = None
@@ -150,8 +146,6 @@ class ServiceClient:
         pairs = []
         if self.config.token:
             pairs.append(("authorization", f"Bearer {self.config.token}"))
-        if self.engine_token:
-            pairs.append((ENGINE_TOKEN_METADATA_KEY, self.engine_token))
         pairs.extend(inject_traceparent(context).items())
         return tuple(pairs)
 

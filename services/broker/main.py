@@ -16,12 +16,12 @@ from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.broker.remote_directory import RemoteEngineDirectory
-from kvpush.services.common.auth import AUTHORIZATION_KEY, Authenticator
+from kvpush.services.common.auth import AUTHORIZATION_KEY, BEARER_PREFIX, Authenticator
 from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig, add_option
 from kvpush.services.common.deadline_runner import DeadlineRunner
-from kvpush.services.common.engine_tokens import EngineTokens
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.services.common.tokens import BROKER_IDENTITY, IdentityTokens, server_tokens
 from kvpush.telemetry import configure_tracing
 
 
@@ -34,7 +34,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Channel:
     if server_config.mtls:
-        # The broker's own certificate is its client identity towards the registrar.
+        # The broker's own certificate (common name "broker") is its identity towards the registrar.
         credentials = grpc.ssl_channel_credentials(
             root_certificates=server_config.tls_ca.read_bytes(),
             private_key=server_config.tls_key.read_bytes(),
@@ -44,26 +44,30 @@ def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Cha
     return grpc.aio.insecure_channel(target)
 
 
-async def serve(server_config: ServerConfig, broker_config: BrokerConfig, registrar_target: str, registrar_timeout_s: float) -> int:
+def _registrar_metadata(tokens: IdentityTokens | None) -> tuple[tuple[str, str], ...]:
+    """What the broker's calls to the registrar carry: in token mode, the `broker` identity's token."""
+    if tokens is None:
+        return ()
+    token = tokens.token_of(BROKER_IDENTITY)
+    if token is None:
+        raise ValueError(f"--tokens-dir has no {BROKER_IDENTITY!r} file: the broker presents that identity's token to the registrar")
+    return ((AUTHORIZATION_KEY, BEARER_PREFIX + token),)
+
+
+async def serve(
+    server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar_target: str, registrar_timeout_s: float
+) -> int:
     configure_tracing("kvpush-broker")
     clock = SystemClock()
-    token = "" if server_config.mtls else server_config.resolve_token()
-    # In shared-token mode engine tokens are checked with the registrar's key.
-    tokens = None if server_config.mtls else EngineTokens(server_config.resolve_engine_token_key(create=False))
     channel = _registrar_channel(server_config, registrar_target)
-    directory = RemoteEngineDirectory(
-        reg_grpc.RegistrarServiceStub(channel),
-        tokens,
-        metadata=() if server_config.mtls else ((AUTHORIZATION_KEY, f"Bearer {token}"),),
-        rpc_timeout_s=registrar_timeout_s,
-    )
+    directory = RemoteEngineDirectory(reg_grpc.RegistrarServiceStub(channel), metadata=_registrar_metadata(tokens), rpc_timeout_s=registrar_timeout_s)
     registry = CollectorRegistry()
     broker = BrokerCore(directory, broker_config, clock, metrics=BrokerMetrics(registry))
-    auth = Authenticator(mtls=server_config.mtls, check_engine_token=directory.check_engine_token)
+    auth = Authenticator(mtls=server_config.mtls)
     running = await build_server(
         server_config,
         [Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, directory, auth))],
-        token=token,
+        tokens=tokens,
         serving=False,
     )
     deadlines = DeadlineRunner(broker.tick, clock, "transfer deadlines")
@@ -86,10 +90,11 @@ async def serve(server_config: ServerConfig, broker_config: BrokerConfig, regist
 
 def run(args: argparse.Namespace) -> int:
     try:
-        configs = (ServerConfig.from_args(args), BrokerConfig.from_args(args))
-        if not configs[0].mtls and configs[0].engine_token_key_file is None:
-            raise ValueError("--engine-token-key-file must name the registrar's engine token key")
-    except ValueError as exc:
+        server_config = ServerConfig.from_args(args)
+        tokens = server_tokens(server_config)
+        _registrar_metadata(tokens)  # a missing `broker` token stops the start here, with a clear message
+        configs = (server_config, BrokerConfig.from_args(args), tokens)
+    except (ValueError, OSError) as exc:
         print(f"kvpush broker: {exc}", file=sys.stderr)
         return 2
     return run_event_loop(serve(*configs, args.registrar, args.registrar_timeout))

@@ -20,7 +20,6 @@ import grpc
 
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
-from kvpush.services.common.engine_tokens import EngineTokens
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,6 @@ class RemoteEngineDirectory:
     def __init__(
         self,
         stub: reg_grpc.RegistrarServiceStub,
-        tokens: EngineTokens | None,
         *,
         metadata: Sequence[tuple[str, str]] = (),
         rpc_timeout_s: float = 5.0,
@@ -45,7 +43,6 @@ class RemoteEngineDirectory:
         max_backoff_s: float = 5.0,
     ):
         self._stub = stub
-        self._tokens = tokens
         self._metadata = tuple(metadata)
         self._rpc_timeout_s = rpc_timeout_s
         self._watch_renew_s = watch_renew_s
@@ -59,11 +56,6 @@ class RemoteEngineDirectory:
 
     def add_removal_listener(self, listener: Callable[[str, str, str], None]) -> None:
         self._listeners.append(listener)
-
-    def check_engine_token(self, engine_id: str, token: str) -> bool:
-        """True when token is the engine token of the mirrored incarnation (needs the registrar's key)."""
-        engine = self._engines.get(engine_id)
-        return engine is not None and self._tokens is not None and self._tokens.check(engine_id, engine.incarnation, token)
 
     async def run(self) -> None:
         """Keeps the mirror current until cancelled, reconnecting with capped exponential backoff."""

@@ -13,8 +13,8 @@ from kvpush.errors import PermissionDenied, Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker.core import Actor, BrokerCore, EngineDirectory
-from kvpush.services.common.auth import Authenticator
 from kvpush.services.common import validation
+from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.rpc import drain_to_stream, rpc_method
 
 # The longest GetTransfer.wait honoured.
@@ -73,7 +73,7 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
 
     @rpc_method
     async def CancelTransfer(self, request: rv_pb.CancelTransferRequest, context: grpc.aio.ServicerContext) -> rv_pb.CancelTransferResponse:
-        engine_id = self._auth.caller_engine(context)
+        engine_id = self._auth.transfer_caller(context)
         if engine_id is None:
             return self._core.cancel(request.key, Actor.ROUTER, request.detail)
         engine = self._directory.get_engine(engine_id)
@@ -84,6 +84,7 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
 
     @rpc_method
     async def GetTransfer(self, request: rv_pb.GetTransferRequest, context: grpc.aio.ServicerContext) -> rv_pb.GetTransferResponse:
+        self._auth.transfer_caller(context)  # the router and engines may query any transfer; `broker` none
         if request.HasField("wait"):
             wait_s = validation.non_negative_seconds(request.wait, "wait", MAX_GET_TRANSFER_WAIT_S)
             self._core.get_transfer(request.transfer_id, request.attempt)  # refuses an unknown attempt before waiting
@@ -100,7 +101,11 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         try:
             # Initial metadata tells the rank its subscription is in place.
             await context.send_initial_metadata(())
-            await drain_to_stream(subscription.outbox, context, lambda: subscription.active)
+            # Heartbeats keep the rank's stream lease alive while no order flows.
+            await drain_to_stream(
+                subscription.outbox, context, lambda: subscription.active,
+                heartbeat=self._core.heartbeat, heartbeat_interval_s=self._core.heartbeat_interval_s,
+            )
         finally:
             self._core.unsubscribe(subscription)
 

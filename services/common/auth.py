@@ -1,33 +1,41 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Who may call: the shared-token interceptor, engine binding, and mTLS identities.
+"""Who is calling, and what each identity may do.
 
-Shared-token mode: every call but health checks carries
-`authorization: Bearer <token>` (checked by TokenAuthInterceptor); calls made
-for an engine also carry `kvpush-engine-token`, which must be the token the
-registrar minted for that engine. mTLS mode: the TLS handshake already
-demanded a client certificate; its common name is the caller, engine-scoped
-calls need it to equal the engine id, and "router" may cancel and query.
+Token mode: every call but health checks carries
+`authorization: Bearer <token>`; TokenAuthInterceptor maps the token to its
+identity (services/common/tokens.py). mTLS mode: the TLS handshake already
+demanded a client certificate and its common name is the identity. Either
+way the identity is `router`, `broker` or an engine id, and the servicers
+ask the Authenticator:
+
+* engine-scoped calls (registration, leases, reports, order and event
+  streams) need the caller to be the engine they name; `router` and `broker`
+  never act for an engine;
+* CancelTransfer and GetTransfer come from the router or an engine (the
+  core checks that an engine cancels only as itself); `broker` makes neither;
+* engine reads (GetEngine, ListEngines, WatchEngines) are open to any
+  authenticated identity.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Callable
+import contextvars
 
 import grpc
 
 from kvpush import status
 from kvpush.errors import KvpushError, PermissionDenied, Reason, Unauthenticated
-from kvpush.services.common.engine_tokens import claimed_engine
+from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, SERVICE_IDENTITIES, IdentityTokens
 from kvpush.services.common.validation import ID_PATTERN
 
 AUTHORIZATION_KEY = "authorization"
-ENGINE_TOKEN_KEY = "kvpush-engine-token"
-ROUTER_IDENTITY = "router"
+BEARER_PREFIX = "Bearer "
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 
-# check_engine_token(engine_id, token) -> bool
-EngineTokenCheck = Callable[[str, str], bool]
+# The identity TokenAuthInterceptor authenticated. grpc.aio runs each call's
+# interceptors and handler in one task of its own, so the value set for a
+# call is what its handler reads, and no other call sees it.
+_token_identity: contextvars.ContextVar[str] = contextvars.ContextVar("kvpush_token_identity", default="")
 
 
 def metadata_value(metadata, key: str) -> str | None:
@@ -57,12 +65,10 @@ def _refusal_handler(handler: grpc.RpcMethodHandler, error: KvpushError) -> grpc
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses calls without the shared bearer token (health checks are exempt, for probes)."""
+    """Refuses calls without a known identity's bearer token (health checks are exempt, for probes)."""
 
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("the shared token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: IdentityTokens):
+        self._tokens = tokens
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
@@ -70,10 +76,12 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         presented = metadata_value(handler_call_details.invocation_metadata, AUTHORIZATION_KEY)
         if presented is None:
             error: KvpushError = Unauthenticated("calls must carry 'authorization: Bearer <token>'", reason=Reason.MISSING_CREDENTIALS)
-        elif not hmac.compare_digest(presented.encode(), self._expected):
-            error = Unauthenticated("the bearer token is not valid", reason=Reason.BAD_TOKEN)
         else:
-            return await continuation(handler_call_details)
+            identity = self._tokens.identify(presented[len(BEARER_PREFIX) :]) if presented.startswith(BEARER_PREFIX) else None
+            if identity is not None:
+                _token_identity.set(identity)
+                return await continuation(handler_call_details)
+            error = Unauthenticated("the bearer token is not valid", reason=Reason.BAD_TOKEN)
         handler = await continuation(handler_call_details)
         return None if handler is None else _refusal_handler(handler, error)
 
@@ -88,46 +96,43 @@ def peer_common_name(context: grpc.aio.ServicerContext) -> str:
 
 
 class Authenticator:
-    """Decides who a call is from, for servicers (the bearer token is already checked)."""
+    """Decides who a call is from and whether that identity may make it, for servicers."""
 
-    def __init__(self, *, mtls: bool, check_engine_token: EngineTokenCheck):
+    def __init__(self, *, mtls: bool):
         self.mtls = mtls
-        self._check_engine_token = check_engine_token
+
+    def identity(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller: `router`, `broker` or an engine id (any authenticated identity)."""
+        if self.mtls:
+            return peer_common_name(context)
+        identity = _token_identity.get()
+        if not identity:  # only a server built without TokenAuthInterceptor gets here
+            raise Unauthenticated("the call was not authenticated", reason=Reason.MISSING_CREDENTIALS)
+        return identity
+
+    def engine_identity(self, context: grpc.aio.ServicerContext, field: str) -> str:
+        """The caller, which must be an engine: `router` and `broker` never act for one."""
+        name = self.identity(context)
+        if name in SERVICE_IDENTITIES:
+            raise PermissionDenied(f"{name!r} may not act for an engine", reason=Reason.ENGINE_IDENTITY_MISMATCH, field=field)
+        return name
 
     def engine_caller(self, context: grpc.aio.ServicerContext, engine_id: str, field: str) -> str:
-        """The caller, proven to act for engine_id.
+        """The caller, proven to be engine_id.
 
         An engine_id that is not a valid id returns "" so the core reports
-        the malformed field; every valid one is bound.
+        the malformed field; every valid one must be the caller's.
         """
+        name = self.engine_identity(context, field)
         if ID_PATTERN.fullmatch(engine_id) is None:
             return ""
-        if self.mtls:
-            name = peer_common_name(context)
-            if name != engine_id:
-                raise PermissionDenied(f"certificate {name!r} may not act for engine {engine_id!r}", reason=Reason.ENGINE_IDENTITY_MISMATCH, field=field)
-            return name
-        token = metadata_value(context.invocation_metadata(), ENGINE_TOKEN_KEY)
-        if not token:
-            raise Unauthenticated(f"calls for an engine must carry {ENGINE_TOKEN_KEY!r}", reason=Reason.MISSING_CREDENTIALS, field=field)
-        if not self._check_engine_token(engine_id, token):
-            raise PermissionDenied(f"the engine token does not belong to engine {engine_id!r}", reason=Reason.ENGINE_IDENTITY_MISMATCH, field=field)
-        return engine_id
+        if name != engine_id:
+            raise PermissionDenied(f"{name!r} may not act for engine {engine_id!r}", reason=Reason.ENGINE_IDENTITY_MISMATCH, field=field)
+        return name
 
-    def registering_caller(self, context: grpc.aio.ServicerContext, engine_id: str, field: str) -> None:
-        """Registration: in mTLS mode the certificate must name the engine; a shared-token caller needs no engine token yet."""
-        if self.mtls and ID_PATTERN.fullmatch(engine_id) is not None:
-            self.engine_caller(context, engine_id, field)
-
-    def caller_engine(self, context: grpc.aio.ServicerContext) -> str | None:
-        """The engine a router-level call comes from, or None when it comes from the router (or an operator)."""
-        if self.mtls:
-            name = peer_common_name(context)
-            return None if name == ROUTER_IDENTITY else name
-        token = metadata_value(context.invocation_metadata(), ENGINE_TOKEN_KEY)
-        if not token:
-            return None
-        engine_id = claimed_engine(token)
-        if not engine_id or not self._check_engine_token(engine_id, token):
-            raise PermissionDenied("the engine token is not valid for any registered engine", reason=Reason.ENGINE_IDENTITY_MISMATCH)
-        return engine_id
+    def transfer_caller(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The engine a transfer-level call (CancelTransfer, GetTransfer) comes from, or None for the router."""
+        name = self.identity(context)
+        if name == BROKER_IDENTITY:
+            raise PermissionDenied("'broker' may only read engines", reason=Reason.ENGINE_IDENTITY_MISMATCH)
+        return None if name == ROUTER_IDENTITY else name

@@ -11,8 +11,6 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from kvpush.services.common import engine_tokens
-
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -35,10 +33,6 @@ def add_option(
     parser.add_argument(flag, type=convert, default=value, help=f"{help_text} (env {env}; default {shown})")
 
 
-def _read_secret(path: pathlib.Path) -> str:
-    return path.read_text(encoding="utf-8").strip()
-
-
 def write_private_file(path: pathlib.Path, content: str) -> None:
     """Writes content readable by the owner only, atomically (readers never see a partial file)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
@@ -52,16 +46,15 @@ def write_private_file(path: pathlib.Path, content: str) -> None:
 class ServerConfig:
     """How a service listens and authenticates.
 
-    Without TLS files the service runs in shared-token mode; with
+    Without TLS files the service runs in token mode: each caller presents
+    its own token from --tokens-dir (see services/common/tokens.py); with
     --tls-cert/--tls-key/--tls-ca it runs mutual TLS and callers are named by
     their certificate's common name.
     """
 
     listen: str = "127.0.0.1:50051"
     port_file: pathlib.Path | None = None
-    token: str = ""
-    token_file: pathlib.Path | None = None
-    engine_token_key_file: pathlib.Path | None = None
+    tokens_dir: pathlib.Path | None = None
     tls_cert: pathlib.Path | None = None
     tls_key: pathlib.Path | None = None
     tls_ca: pathlib.Path | None = None
@@ -88,14 +81,12 @@ class ServerConfig:
         path = pathlib.Path
         add_option(parser, "--listen", "KVPUSH_LISTEN", default=default_listen, help_text="address to serve on; port 0 picks a free port")
         add_option(parser, "--port-file", "KVPUSH_PORT_FILE", convert=path, help_text="file to write the bound port to")
-        add_option(parser, "--token", "KVPUSH_TOKEN", default="", help_text="shared token callers send as 'authorization: Bearer <token>'")
-        add_option(parser, "--token-file", "KVPUSH_TOKEN_FILE", convert=path, help_text="file holding the shared token; created with a new token if missing")
         add_option(
             parser,
-            "--engine-token-key-file",
-            "KVPUSH_ENGINE_TOKEN_KEY_FILE",
+            "--tokens-dir",
+            "KVPUSH_TOKENS_DIR",
             convert=path,
-            help_text="file holding the key engine tokens are derived from; the registrar creates it if missing, a separate broker reads it",
+            help_text="directory of per-identity tokens: each file is named after an identity (router, broker or an engine id) and holds its token",
         )
         add_option(parser, "--tls-cert", "KVPUSH_TLS_CERT", convert=path, help_text="server certificate (PEM); enables mutual TLS")
         add_option(parser, "--tls-key", "KVPUSH_TLS_KEY", convert=path, help_text="server private key (PEM)")
@@ -117,9 +108,7 @@ class ServerConfig:
         return cls(
             listen=args.listen,
             port_file=args.port_file,
-            token=args.token,
-            token_file=args.token_file,
-            engine_token_key_file=args.engine_token_key_file,
+            tokens_dir=args.tokens_dir,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_ca=args.tls_ca,
@@ -128,32 +117,6 @@ class ServerConfig:
             grace_s=args.grace,
             max_message_bytes=args.max_message_bytes,
         )
-
-    def resolve_token(self) -> str:
-        """The shared token: --token, else the token file's content, else a new token written to the token file."""
-        if self.token:
-            return self.token
-        if self.token_file is not None and self.token_file.exists():
-            token = _read_secret(self.token_file)
-            if not token:
-                raise ValueError(f"token file {self.token_file} is empty")
-            return token
-        token = secrets.token_urlsafe(32)
-        if self.token_file is not None:
-            write_private_file(self.token_file, token + "\n")
-        return token
-
-    def resolve_engine_token_key(self, *, create: bool) -> bytes:
-        """The engine token key from its file; with create, a new key (written to the file if one is named)."""
-        path = self.engine_token_key_file
-        if path is not None and path.exists():
-            return bytes.fromhex(_read_secret(path))
-        if not create:
-            raise ValueError("--engine-token-key-file must name the key file the registrar wrote")
-        key = engine_tokens.generate_key()
-        if path is not None:
-            write_private_file(path, key.hex() + "\n")
-        return key
 
     def write_port(self, port: int) -> None:
         if self.port_file is not None:

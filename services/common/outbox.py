@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -14,19 +13,17 @@ T = TypeVar("T")
 class Outbox(Generic[T]):
     """A bounded FIFO: put() never blocks; the consumer awaits wait() and then drain()s.
 
-    When full, put() either drops the oldest item (a slow or absent consumer
-    loses old messages, never new ones) or, with close_on_overflow, closes
-    the outbox so the consumer must start over (watches, whose snapshot
-    replaces what was lost).
+    Nothing queued is ever dropped: an outbox that would overflow closes
+    instead (counted in `dropped`), so its consumer's stream ends and the
+    subscriber starts over with a fresh snapshot or resync.
     """
 
-    __slots__ = ("capacity", "close_on_overflow", "closed", "dropped", "_items", "_ready")
+    __slots__ = ("capacity", "closed", "dropped", "_items", "_ready")
 
-    def __init__(self, capacity: int, *, close_on_overflow: bool = False):
+    def __init__(self, capacity: int):
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
-        self.close_on_overflow = close_on_overflow
         self.closed = False
         self.dropped = 0
         self._items: deque[T] = deque()
@@ -36,29 +33,16 @@ class Outbox(Generic[T]):
         return len(self._items)
 
     def put(self, item: T) -> bool:
-        """Queues item; False when it was not queued or an older item was dropped for it."""
+        """Queues item; False when it was not queued (closed, or full: then the outbox closes)."""
         if self.closed:
             return False
-        items = self._items
-        queued_whole = True
-        if len(items) >= self.capacity:
-            if self.close_on_overflow:
-                self.dropped += 1
-                self.close()
-                return False
-            items.popleft()
+        if len(self._items) >= self.capacity:
             self.dropped += 1
-            queued_whole = False
-        items.append(item)
+            self.close()
+            return False
+        self._items.append(item)
         self._ready.set()
-        return queued_whole
-
-    def put_back(self, items: Iterable[T]) -> None:
-        """Returns drained but undelivered items to the front, in their order."""
-        front = list(items)
-        if front:
-            self._items.extendleft(reversed(front))
-            self._ready.set()
+        return True
 
     def drain(self) -> list[T]:
         """Takes every queued item."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Callable
@@ -54,23 +55,31 @@ def _tag_transfer(request) -> None:
         span.set_attributes(span_attributes(request.transfer_id, request.attempt))
 
 
-async def drain_to_stream(outbox: Outbox, context: grpc.aio.ServicerContext, wanted: Callable[[], bool]) -> None:
+async def drain_to_stream(
+    outbox: Outbox,
+    context: grpc.aio.ServicerContext,
+    wanted: Callable[[], bool],
+    *,
+    heartbeat: Callable[[], object] | None = None,
+    heartbeat_interval_s: float | None = None,
+) -> None:
     """Writes what the outbox receives to the stream until it closes or wanted() turns False.
 
-    Items drained but not written when the stream fails go back to the
-    outbox for the next subscriber; the one whose write failed does not (it
-    may have been sent, and a message must never arrive twice).
+    A stream that fails loses what was drained but not written: subscribers
+    resync on their next stream, so nothing is put back. With heartbeat, a
+    stream quiet for heartbeat_interval_s gets heartbeat() written.
     """
     while wanted():
         items = outbox.drain()
         if not items:
             if outbox.closed:
                 return
-            await outbox.wait()
-            continue
-        for i, item in enumerate(items):
+            if heartbeat is None:
+                await outbox.wait()
+                continue
             try:
-                await context.write(item)
-            except BaseException:
-                outbox.put_back(items[i + 1 :])
-                raise
+                await asyncio.wait_for(outbox.wait(), heartbeat_interval_s)
+            except TimeoutError:
+                items = [heartbeat()]
+        for item in items:
+            await context.write(item)

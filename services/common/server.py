@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvpush.services.common.auth import TokenAuthInterceptor
 from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.tokens import IdentityTokens
 from kvpush.services.common.tracing_interceptor import TracingInterceptor
 
 logger = logging.getLogger(__name__)
@@ -102,19 +103,21 @@ async def build_server(
     config: ServerConfig,
     services: Sequence[Service],
     *,
-    token: str = "",
+    tokens: IdentityTokens | None = None,
     tracer_provider: trace.TracerProvider | None = None,
     serving: bool = True,
 ) -> RunningServer:
     """Builds, binds and starts a grpc.aio server for services, with health, reflection, auth and tracing.
 
-    Shared-token mode (no TLS in config) needs token. With serving=False the
+    Token mode (no TLS in config) needs tokens. With serving=False the
     services start NOT_SERVING (e.g. until a directory is synced); the
     overall health ("") is SERVING either way once started.
     """
     interceptors: list[grpc.aio.ServerInterceptor] = [TracingInterceptor(tracer_provider)]
     if not config.mtls:
-        interceptors.append(TokenAuthInterceptor(token))
+        if tokens is None:
+            raise ValueError("token mode needs the identity tokens")
+        interceptors.append(TokenAuthInterceptor(tokens))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
     generic_only = _GenericHandlersOnly(server)
     for service in services:

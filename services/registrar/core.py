@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The registrar's grpc-free core: engine ranks, their leases, watches and engine tokens.
+"""The registrar's grpc-free core: engine ranks, their leases and watches.
 
 An engine incarnation is READY while every one of its tp_size * pp_size
 ranks is registered and leased, PARTIAL while some are missing, and GONE
 once its last rank left. Any rank leaving (deregistration, lease lapse,
-KeepAlive stream closed, replacement by a new incarnation) is reported to
-the removal listeners, because an engine missing a worker cannot take part
-in transfers.
+replacement by a new incarnation) is reported to the removal listeners,
+because an engine missing a worker cannot take part in transfers. A lease
+lapses only by time, like an etcd lease: a KeepAlive stream that ends does
+not end it, so a rank that reconnects keeps renewing the same lease.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from kvpush.engine.v1 import engine_pb2
-from kvpush.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Reason
+from kvpush.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Reason, ResourceExhausted
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import validation
 from kvpush.services.common.clock import Clock, timestamp, wall_at
-from kvpush.services.common.engine_tokens import EngineTokens
 from kvpush.services.common.outbox import Outbox
 from kvpush.services.registrar.config import RegistrarConfig
 
@@ -38,7 +38,6 @@ class RemovalReason:
 
     DEREGISTERED = "DEREGISTERED"
     LEASE_EXPIRED = "LEASE_EXPIRED"
-    KEEPALIVE_STREAM_CLOSED = "KEEPALIVE_STREAM_CLOSED"
     REPLACED = "REPLACED"
 
 
@@ -88,26 +87,29 @@ class _Engine:
 class EngineWatch:
     """One WatchEngines subscription: the events for one role (0 = every role), oldest first."""
 
-    __slots__ = ("role", "outbox")
+    __slots__ = ("role", "watcher", "counted", "outbox")
 
-    def __init__(self, role: int, capacity: int):
+    def __init__(self, role: int, watcher: str, capacity: int):
         self.role = role
+        self.watcher = watcher
+        self.counted = True  # still counted against the watcher's cap
         # A watcher that falls a whole queue behind is closed rather than fed a
         # history with holes; it watches again and gets a fresh snapshot.
-        self.outbox: Outbox[reg_pb.WatchEnginesResponse] = Outbox(capacity, close_on_overflow=True)
+        self.outbox: Outbox[reg_pb.WatchEnginesResponse] = Outbox(capacity)
 
 
 class RegistrarCore:
     """The directory of engine ranks. Not thread-safe: call it from one thread (the event loop)."""
 
-    def __init__(self, config: RegistrarConfig, clock: Clock, tokens: EngineTokens):
+    def __init__(self, config: RegistrarConfig, clock: Clock, *, new_lease_id: Callable[[], str] = lambda: uuid.uuid4().hex):
         self._config = config
         self._clock = clock
-        self._tokens = tokens
+        self._new_lease_id = new_lease_id  # injectable so a simulation replays exactly
         self._engines: dict[str, _Engine] = {}
         self._leases: dict[str, _Rank] = {}
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries are skipped when popped
         self._watches: set[EngineWatch] = set()
+        self._watches_by_watcher: dict[str, int] = {}
         self._removal_listeners: list[RemovalListener] = []
         self._wakeup: Callable[[float], None] | None = None
 
@@ -153,11 +155,6 @@ class RegistrarCore:
         rank = self._leases.get(lease_id)
         return rank.engine.engine_id if rank is not None else None
 
-    def check_engine_token(self, engine_id: str, token: str) -> bool:
-        """True when token is the current incarnation's engine token (constant-time compare)."""
-        record = self._engines.get(engine_id)
-        return record is not None and self._tokens.check(engine_id, record.incarnation, token)
-
     def add_removal_listener(self, listener: RemovalListener) -> None:
         self._removal_listeners.append(listener)
 
@@ -173,6 +170,10 @@ class RegistrarCore:
         rank = request.rank
         now = self._clock.now()
         record = self._engines.get(rank.engine_id)
+        if record is None and len(self._engines) >= self._config.max_engines:
+            raise ResourceExhausted(
+                f"{len(self._engines)} engines are registered, the most allowed (--max-engines)", reason=Reason.TOO_MANY_ENGINES, field="rank.engine_id"
+            )
         if record is not None and record.incarnation != rank.incarnation:
             self._remove_ranks(record, list(record.ranks), RemovalReason.REPLACED)
             record = None
@@ -197,7 +198,7 @@ class RegistrarCore:
                 self._note_expiry(existing)
                 return self._grant(existing)
         registered = reg_pb.RegisteredRank(rank=rank, nixl=request.nixl, layout=request.layout)
-        entry = _Rank(record, position, uuid.uuid4().hex, registered, ttl, now + ttl)
+        entry = _Rank(record, position, self._new_lease_id(), registered, ttl, now + ttl)
         record.ranks[position] = entry
         self._leases[entry.lease_id] = entry
         self._note_expiry(entry)
@@ -244,16 +245,6 @@ class RegistrarCore:
         self._remove_ranks(record, [rank.position], RemovalReason.DEREGISTERED)
         return reg_pb.DeregisterEngineRankResponse(engine=record.snapshot)
 
-    def end_leases(self, lease_ids: Iterable[str], reason: str) -> None:
-        """Ends the leases that still exist at once (e.g. their KeepAlive stream closed)."""
-        by_engine: dict[int, tuple[_Engine, list[tuple[int, int]]]] = {}
-        for lease_id in lease_ids:
-            rank = self._leases.get(lease_id)
-            if rank is not None:
-                by_engine.setdefault(id(rank.engine), (rank.engine, []))[1].append(rank.position)
-        for record, positions in by_engine.values():
-            self._remove_ranks(record, positions, reason)
-
     def sweep(self) -> float | None:
         """Ends every lapsed lease; returns when the next lease may lapse (monotonic), or None."""
         now = self._clock.now()
@@ -267,18 +258,28 @@ class RegistrarCore:
             if rank.expires > now:  # renewed since this entry was pushed
                 heapq.heappush(expiries, (rank.expires, lease_id))
                 continue
-            lapsed.setdefault(id(rank.engine), (rank.engine, []))[1].append(rank.position)
+            positions = lapsed.setdefault(id(rank.engine), (rank.engine, []))[1]
+            if rank.position not in positions:  # a lease can sit in the heap twice (re-registered identically)
+                positions.append(rank.position)
         for record, positions in lapsed.values():
             self._remove_ranks(record, positions, RemovalReason.LEASE_EXPIRED)
         return expiries[0][0] if expiries else None
 
     # ----- watches -----
 
-    def watch(self, role: int = 0) -> EngineWatch:
-        """Opens a watch: the current engines of role (0 = all) as UPSERTED events, then every change."""
+    def watch(self, role: int = 0, watcher: str = "") -> EngineWatch:
+        """Opens a watch: the current engines of role (0 = all) as UPSERTED events, then every change.
+
+        watcher names who watches (the caller's identity); each may hold at
+        most max_watches_per_identity watches until unwatch().
+        """
         if role and role not in _ROLES:
             raise InvalidArgument(f"role has unknown value {role}", reason=Reason.FIELD_INVALID, field="role")
-        subscription = EngineWatch(role, self._config.watch_queue_capacity)
+        held = self._watches_by_watcher.get(watcher, 0)
+        if held >= self._config.max_watches_per_identity:
+            raise ResourceExhausted(f"{watcher!r} already holds {held} engine watches, the most allowed", reason=Reason.TOO_MANY_WATCHES)
+        self._watches_by_watcher[watcher] = held + 1
+        subscription = EngineWatch(role, watcher, self._config.watch_queue_capacity)
         for engine_id in sorted(self._engines):
             record = self._engines[engine_id]
             if not role or record.role == role:
@@ -289,6 +290,14 @@ class RegistrarCore:
     def unwatch(self, subscription: EngineWatch) -> None:
         self._watches.discard(subscription)
         subscription.outbox.close()
+        # A watch closed for falling behind still counts until its stream ends here.
+        if subscription.counted:
+            subscription.counted = False
+            held = self._watches_by_watcher[subscription.watcher] - 1
+            if held:
+                self._watches_by_watcher[subscription.watcher] = held
+            else:
+                del self._watches_by_watcher[subscription.watcher]
 
     def close(self) -> None:
         """Ends every watch."""
@@ -427,12 +436,10 @@ class RegistrarCore:
             )
 
     def _grant(self, rank: _Rank) -> reg_pb.RegisterEngineRankResponse:
-        record = rank.engine
         return reg_pb.RegisterEngineRankResponse(
             lease_id=rank.lease_id,
             lease_ttl=validation.duration(rank.ttl),
             expire_time=timestamp(wall_at(self._clock, rank.expires)),
-            engine_token=self._tokens.mint(record.engine_id, record.incarnation),
         )
 
     def _note_expiry(self, rank: _Rank) -> None:

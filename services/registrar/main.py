@@ -13,8 +13,8 @@ from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
-from kvpush.services.common.engine_tokens import EngineTokens
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.services.common.tokens import IdentityTokens, server_tokens
 from kvpush.services.registrar import servicer as registrar_servicer
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
@@ -27,20 +27,17 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     RegistrarConfig.add_arguments(parser)
 
 
-async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig) -> int:
+async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, tokens: IdentityTokens | None) -> int:
     configure_tracing("kvpush-registrar")
     clock = SystemClock()
-    token = "" if server_config.mtls else server_config.resolve_token()
-    # A separate broker checks engine tokens with this key: it reads the
-    # file this process writes (--engine-token-key-file).
-    registrar = RegistrarCore(registrar_config, clock, EngineTokens(server_config.resolve_engine_token_key(create=True)))
+    registrar = RegistrarCore(registrar_config, clock)
     registry = CollectorRegistry()
     register_registrar_metrics(registry, registrar)
-    auth = Authenticator(mtls=server_config.mtls, check_engine_token=registrar.check_engine_token)
+    auth = Authenticator(mtls=server_config.mtls)
     running = await build_server(
         server_config,
         [Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth))],
-        token=token,
+        tokens=tokens,
     )
     leases = DeadlineRunner(registrar.sweep, clock, "lease expiry")
     registrar.set_wakeup(leases.wake)
@@ -51,8 +48,9 @@ async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig) 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        configs = (ServerConfig.from_args(args), RegistrarConfig.from_args(args))
-    except ValueError as exc:
+        server_config = ServerConfig.from_args(args)
+        configs = (server_config, RegistrarConfig.from_args(args), server_tokens(server_config))
+    except (ValueError, OSError) as exc:
         print(f"kvpush registrar: {exc}", file=sys.stderr)
         return 2
     return run_event_loop(serve(*configs))

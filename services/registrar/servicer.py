@@ -10,7 +10,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.rpc import drain_to_stream, rpc_method
-from kvpush.services.registrar.core import RegistrarCore, RemovalReason
+from kvpush.services.registrar.core import RegistrarCore
 
 SERVICE_NAME = reg_pb.DESCRIPTOR.services_by_name["RegistrarService"].full_name
 
@@ -22,32 +22,27 @@ class RegistrarServicer(reg_grpc.RegistrarServiceServicer):
 
     @rpc_method
     async def RegisterEngineRank(self, request: reg_pb.RegisterEngineRankRequest, context: grpc.aio.ServicerContext) -> reg_pb.RegisterEngineRankResponse:
-        self._auth.registering_caller(context, request.rank.engine_id, "rank.engine_id")
+        self._auth.engine_caller(context, request.rank.engine_id, "rank.engine_id")
         return self._core.register(request)
 
     @rpc_method
     async def KeepAlive(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        renewed: set[str] = set()
+        self._auth.engine_identity(context, "lease_ids")
+        # A lease lapses only by time (or DeregisterEngineRank), never because a
+        # stream ended: after a blip a rank renews the same lease on a new
+        # stream, and an old stream's end must not end what the new one renews.
         bound: set[str] = set()  # engines this stream proved to act for
-        try:
-            async for request in request_iterator:
-                for lease_id in request.lease_ids:
-                    engine_id = self._core.lease_engine(lease_id)
-                    if engine_id is not None and engine_id not in bound:
-                        self._auth.engine_caller(context, engine_id, "lease_ids")
-                        bound.add(engine_id)
-                response = self._core.keep_alive(request.lease_ids)
-                unknown = set(response.unknown_lease_ids)
-                renewed.update(lease_id for lease_id in request.lease_ids if lease_id not in unknown)
-                await context.write(response)
-        finally:
-            # The stream ending without DeregisterEngineRank ends its leases at
-            # once: a worker whose stream dropped is treated as gone.
-            if renewed:
-                self._core.end_leases(renewed, RemovalReason.KEEPALIVE_STREAM_CLOSED)
+        async for request in request_iterator:
+            for lease_id in request.lease_ids:
+                engine_id = self._core.lease_engine(lease_id)
+                if engine_id is not None and engine_id not in bound:
+                    self._auth.engine_caller(context, engine_id, "lease_ids")
+                    bound.add(engine_id)
+            await context.write(self._core.keep_alive(request.lease_ids))
 
     @rpc_method
     async def DeregisterEngineRank(self, request: reg_pb.DeregisterEngineRankRequest, context: grpc.aio.ServicerContext) -> reg_pb.DeregisterEngineRankResponse:
+        self._auth.engine_identity(context, "lease_id")
         engine_id = self._core.lease_engine(request.lease_id)
         if engine_id is not None:
             self._auth.engine_caller(context, engine_id, "lease_id")
@@ -63,7 +58,7 @@ class RegistrarServicer(reg_grpc.RegistrarServiceServicer):
 
     @rpc_method
     async def WatchEngines(self, request: reg_pb.WatchEnginesRequest, context: grpc.aio.ServicerContext) -> None:
-        subscription = self._core.watch(request.role)
+        subscription = self._core.watch(request.role, self._auth.identity(context))
         try:
             # Initial metadata tells the watcher the watch exists: whatever
             # changes from now on reaches it.

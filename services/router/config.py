@@ -57,6 +57,16 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     # transfer_timeout_ms is the kvpush deadline each transfer attempt carries.
     transfer_timeout_ms: int = 30_000
+    # transfer_deadline_slack_s: a push-mode decode leg without output this
+    # long past its transfer's deadline is answered 504 and closed (unless the
+    # broker says the KV arrived).
+    transfer_deadline_slack_s: float = 0.5
+    # early_poll_delay_s: once the prefill leg has answered, how long the
+    # decode leg may stay without output before the router long-polls the
+    # broker for the attempt's end (push mode).
+    early_poll_delay_s: float = 0.25
+    # cancel_timeout_s bounds each CancelTransfer and GetTransfer call (a long
+    # poll gets its wait on top).
     cancel_timeout_s: float = 2.0
     max_attempts: int = 2
     health_timeout_s: float = 2.0
@@ -81,6 +91,8 @@ class RouterConfig:
         timeouts = (self.connect_timeout_s, self.prefill_timeout_s, self.first_token_timeout_s, self.request_timeout_s, self.cancel_timeout_s, self.health_timeout_s)
         if min(timeouts) <= 0 or self.transfer_timeout_ms <= 0:
             raise ValueError("every timeout must be positive")
+        if self.transfer_deadline_slack_s < 0 or self.early_poll_delay_s < 0:
+            raise ValueError("--transfer-deadline-slack and --early-poll-delay must not be negative")
         if self.max_attempts < 1:
             raise ValueError("--max-attempts must be at least 1")
         _, sep, port = self.listen.rpartition(":")
@@ -117,8 +129,8 @@ class RouterConfig:
         add_option(parser, "--policy", "KVPUSH_ROUTER_POLICY", default="round_robin", help_text=f"engine choice: {' or '.join(POLICIES)}")
         add_option(parser, "--mode", "KVPUSH_ROUTER_MODE", default="push", help_text=f"transfer protocol: {', '.join(MODES)}")
         add_option(parser, "--control-plane", "KVPUSH_CONTROL_PLANE", default="", help_text="kvpush control plane host:port (push mode)")
-        add_option(parser, "--token", "KVPUSH_TOKEN", default="", help_text="control-plane shared token")
-        add_option(parser, "--token-file", "KVPUSH_TOKEN_FILE", convert=path, help_text="file holding the control-plane shared token")
+        add_option(parser, "--token", "KVPUSH_TOKEN", default="", help_text="the router's own control-plane token (identity 'router')")
+        add_option(parser, "--token-file", "KVPUSH_TOKEN_FILE", convert=path, help_text="file holding the router's own control-plane token (the 'router' file of the control plane's --tokens-dir)")
         add_option(parser, "--tls-ca", "KVPUSH_TLS_CA", default="", help_text="CA bundle for mTLS to the control plane")
         add_option(parser, "--tls-cert", "KVPUSH_TLS_CERT", default="", help_text="client certificate (CN 'router') for mTLS")
         add_option(parser, "--tls-key", "KVPUSH_TLS_KEY", default="", help_text="client key for mTLS")
@@ -130,7 +142,18 @@ class RouterConfig:
         )
         add_option(parser, "--request-timeout", "KVPUSH_ROUTER_REQUEST_TIMEOUT_S", convert=float, default=600.0, help_text="seconds a whole request may take")
         add_option(parser, "--transfer-timeout-ms", "KVPUSH_ROUTER_TRANSFER_TIMEOUT_MS", convert=int, default=30_000, help_text="kvpush deadline of each transfer attempt")
-        add_option(parser, "--cancel-timeout", "KVPUSH_ROUTER_CANCEL_TIMEOUT_S", convert=float, default=2.0, help_text="deadline of CancelTransfer calls")
+        add_option(
+            parser, "--transfer-deadline-slack", "KVPUSH_ROUTER_TRANSFER_DEADLINE_SLACK_S", convert=float, default=0.5,
+            help_text="push: seconds past the transfer deadline a decode leg may go without output before it is answered 504 and closed",
+        )
+        add_option(
+            parser, "--early-poll-delay", "KVPUSH_ROUTER_EARLY_POLL_DELAY_S", convert=float, default=0.25,
+            help_text="push: seconds after the prefill leg answered before a decode leg without output makes the router long-poll the broker",
+        )
+        add_option(
+            parser, "--cancel-timeout", "KVPUSH_ROUTER_CANCEL_TIMEOUT_S", convert=float, default=2.0,
+            help_text="deadline of CancelTransfer and GetTransfer calls (a long poll gets its wait on top)",
+        )
         add_option(parser, "--max-attempts", "KVPUSH_ROUTER_MAX_ATTEMPTS", convert=int, default=2, help_text="dispatches per request, counting the first")
         add_option(parser, "--health-timeout", "KVPUSH_ROUTER_HEALTH_TIMEOUT_S", convert=float, default=2.0, help_text="deadline of each engine probe behind /health")
         add_option(parser, "--prefill-kv-host", "KVPUSH_ROUTER_PREFILL_KV_HOST", default="127.0.0.1", help_text="upstream-push: P's NIXL side-channel host")
@@ -161,6 +184,8 @@ class RouterConfig:
             first_token_timeout_s=args.first_token_timeout,
             request_timeout_s=args.request_timeout,
             transfer_timeout_ms=args.transfer_timeout_ms,
+            transfer_deadline_slack_s=args.transfer_deadline_slack,
+            early_poll_delay_s=args.early_poll_delay,
             cancel_timeout_s=args.cancel_timeout,
             max_attempts=args.max_attempts,
             health_timeout_s=args.health_timeout,

@@ -9,6 +9,11 @@ first, then the decode leg with what the prefill engine returned.
 Upstream-push mode (upstream NixlPushConnector): both legs at once,
 matched by a shared X-Request-Id, the decode leg naming P's NIXL side
 channel.
+
+A kvpush attempt that fails is explained from the broker's record of it
+(GetTransfer): `explain_attempt` turns the record into the client's
+status, reason and message (docs/routers.md, "What a client sees when a
+transfer fails").
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import dataclasses
 import itertools
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from kvpush.rendezvous.v1 import transfer_pb2
 
 POLICIES = ("round_robin", "least_loaded")
 COMPLETIONS_PATH = "/v1/completions"
@@ -33,6 +40,11 @@ PULL_PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+# The broker's client_request_id limit (BrokerConfig.max_text_length): a
+# longer X-Request-Id would get both legs' transfer refused.
+MAX_CLIENT_REQUEST_ID_LENGTH = 256
 
 
 class BadRequest(ValueError):
@@ -107,6 +119,13 @@ def check_routable(body: Any) -> dict[str, Any]:
     return body
 
 
+def check_client_request_id(value: str) -> str:
+    """Returns the client's X-Request-Id if kvpush can carry it as client_request_id, else raises BadRequest."""
+    if len(value) > MAX_CLIENT_REQUEST_ID_LENGTH:
+        raise BadRequest(f"X-Request-Id is {len(value)} characters long; kvpush carries at most {MAX_CLIENT_REQUEST_ID_LENGTH}")
+    return value
+
+
 def kvpush_params(
     role: str,
     transfer_id: str,
@@ -176,3 +195,173 @@ def decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) 
     leg = copy.deepcopy(dict(body))
     leg["kv_transfer_params"] = dict(kv_transfer_params)
     return leg
+
+
+# ---- transfer failures (push mode) ---------------------------------------------------------
+
+# EndReason names (without the END_REASON_ prefix) a failed attempt can end with.
+END_REASONS: tuple[str, ...] = tuple(
+    name.removeprefix("END_REASON_") for name in transfer_pb2.EndReason.keys() if name not in ("END_REASON_UNSPECIFIED", "END_REASON_COMPLETED")
+)
+# Causes the router itself names, beside the broker's EndReasons.
+INVALID_REQUEST = "INVALID_REQUEST"  # 400: the router refused the request's parameters
+ENGINE_REJECTED = "ENGINE_REJECTED"  # an engine's own 4xx, passed through
+NO_ENGINE = "NO_ENGINE"  # 503: no engine of a role left to try
+LEG_FAILED = "LEG_FAILED"  # 502: a leg failed (connection, 5xx, no output) and the broker had no reason
+LEG_TIMEOUT = "LEG_TIMEOUT"  # 504: --prefill-timeout or --first-token-timeout passed
+ROUTER_DEADLINE_EXCEEDED = "ROUTER_DEADLINE_EXCEEDED"  # 504: the transfer deadline plus slack passed without output, the broker had no reason
+CONTROL_PLANE_UNREACHABLE = "CONTROL_PLANE_UNREACHABLE"  # 503: the broker could not say why a leg failed
+TRANSFER_CONFLICT = "TRANSFER_CONFLICT"  # 409: the broker's record of the attempt is another request's
+OUTPUT_BROKE_OFF = "OUTPUT_BROKE_OFF"  # the decode stream broke after output had reached the client
+CLIENT_GONE = "CLIENT_GONE"  # the client disconnected before its answer
+ROUTER_REASONS = (
+    INVALID_REQUEST, ENGINE_REJECTED, NO_ENGINE, LEG_FAILED, LEG_TIMEOUT, ROUTER_DEADLINE_EXCEEDED,
+    CONTROL_PLANE_UNREACHABLE, TRANSFER_CONFLICT, OUTPUT_BROKE_OFF, CLIENT_GONE,
+)
+# Every reason a failed request is counted under: a bounded label set.
+FAILURE_REASONS = END_REASONS + ROUTER_REASONS
+
+_END_REASON_STATUS = {
+    "REGISTRATION_DEADLINE_EXCEEDED": 504,
+    "PREFILL_DEADLINE_EXCEEDED": 504,
+    "PREFILL_ENGINE_LOST": 503,
+    "DECODE_ENGINE_LOST": 503,
+    # The prompt tokenizes differently on P and D: the same request fails on
+    # any pair of those engines.
+    "TOKEN_COUNT_MISMATCH": 400,
+    # Only a newer attempt supersedes one, and this router makes none while
+    # it still waits on the old one: another router used the same transfer id.
+    "SUPERSEDED": 409,
+}
+
+
+def end_reason_status(reason: str) -> int:
+    """The HTTP status for an attempt that ended with `reason` (an EndReason name, with or without its prefix); 502 for any other."""
+    return _END_REASON_STATUS.get(reason.removeprefix("END_REASON_"), 502)
+
+
+# Which side's engine an EndReason blames: a retry goes to another engine of that side.
+_BLAMED_SIDE = {
+    "PREFILL_ENGINE_LOST": "prefill",
+    "CANCELLED_BY_PREFILL": "prefill",
+    "WRITE_FAILED": "prefill",  # the producer rank posts the WRITE and reported it failed
+    "DECODE_ENGINE_LOST": "decode",
+    "CANCELLED_BY_DECODE": "decode",
+    # The broker refused D's registration: mostly about the prefill engine it
+    # names (not registered, restarted, an incompatible layout).
+    "REGISTRATION_REFUSED": "prefill",
+}
+_TERMINAL_STATES = frozenset({"DONE", "FAILED", "CANCELLED", "SUPERSEDED"})
+
+
+def _enum_name(enum: Any, value: int, prefix: str) -> str:
+    """An enum value's name without its prefix; a value a newer broker added shows as its number."""
+    try:
+        return enum.Name(value).removeprefix(prefix)
+    except ValueError:
+        return str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptRecord:
+    """The broker's record of one transfer attempt (GetTransfer), as plain values; enum names without their prefixes."""
+
+    transfer_id: str
+    attempt: int
+    state: str  # e.g. "WAITING_FOR_PREFILL", "DONE", "FAILED"
+    reason: str  # e.g. "PREFILL_ENGINE_LOST"; "" until the attempt ended, "COMPLETED" when DONE
+    detail: str
+    client_request_id: str
+    prefill_engine_id: str
+    decode_engine_id: str
+    registered: bool  # the decode side's registration reached the broker
+    prefill_done: bool  # the prefill side's prefill-done reached the broker
+
+    @classmethod
+    def from_transfer(cls, transfer: transfer_pb2.Transfer) -> AttemptRecord:
+        kinds = {entry.kind for entry in transfer.timeline}
+        return cls(
+            transfer_id=transfer.key.transfer_id,
+            attempt=transfer.key.attempt,
+            state=_enum_name(transfer_pb2.TransferState, transfer.state, "TRANSFER_STATE_"),
+            reason=_enum_name(transfer_pb2.EndReason, transfer.end_reason, "END_REASON_") if transfer.end_reason else "",
+            detail=transfer.detail,
+            client_request_id=transfer.client_request_id,
+            prefill_engine_id=transfer.prefill_engine_id,
+            decode_engine_id=transfer.decode_engine_id,
+            registered=transfer_pb2.TIMELINE_ENTRY_KIND_REGISTERED in kinds,
+            prefill_done=transfer_pb2.TIMELINE_ENTRY_KIND_PREFILL_DONE in kinds,
+        )
+
+    @property
+    def ended(self) -> bool:
+        return self.state in _TERMINAL_STATES
+
+    def describe(self) -> str:
+        """The attempt in a few words, for messages: its state, or its end reason and detail."""
+        if not self.ended:
+            return f"the broker holds it as {self.state}"
+        return f"{self.state} {self.reason}" + (f": {self.detail}" if self.detail else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the client is told about a failed attempt, and whose engine a retry avoids (None: no retry)."""
+
+    status: int
+    reason: str
+    message: str
+    retry_side: str | None
+
+
+def conflicting_owner(record: AttemptRecord, client_request_id: str, prefill_engine_id: str, decode_engine_id: str) -> str:
+    """Why the broker's record of our transfer key is another request's ("" when it is ours).
+
+    Empty fields say nothing (an attempt cancelled before either side
+    arrived has no engines); a set one that differs from what this router
+    sent means another router minted the same transfer id.
+    """
+    if record.client_request_id and record.client_request_id != client_request_id:
+        return f"it belongs to request {record.client_request_id!r}, not {client_request_id!r}"
+    if record.prefill_engine_id and record.prefill_engine_id != prefill_engine_id:
+        return f"it names prefill engine {record.prefill_engine_id!r}, not {prefill_engine_id!r}"
+    if record.decode_engine_id and record.decode_engine_id != decode_engine_id:
+        return f"it names decode engine {record.decode_engine_id!r}, not {decode_engine_id!r}"
+    return ""
+
+
+def deadline_side(record: AttemptRecord | None, prefill_finished: bool) -> str:
+    """The side to blame when a deadline passed: the one that never reached the broker, else the writer (prefill)."""
+    if record is None:
+        return "decode" if prefill_finished else "prefill"
+    if not record.prefill_done:
+        return "prefill"
+    if not record.registered:
+        return "decode"
+    return "prefill"
+
+
+def explain_attempt(record: AttemptRecord, client_request_id: str, prefill_engine_id: str, decode_engine_id: str) -> Verdict | None:
+    """The client's answer for an attempt the broker holds, or None when the broker gives no reason (live, or DONE: the KV arrived).
+
+    A record that is another request's answers 409 whatever its state, and
+    is never retried (a new attempt of that transfer id would supersede the
+    other request's). An attempt that ended without the KV answers
+    end_reason_status; it is retried on another engine of the side its
+    reason blames.
+    """
+    key = f"transfer {record.transfer_id} attempt {record.attempt}"
+    owner = conflicting_owner(record, client_request_id, prefill_engine_id, decode_engine_id)
+    if owner:
+        message = f"{key} is another request's at the broker ({owner}): another router uses the same transfer id"
+        return Verdict(409, TRANSFER_CONFLICT, message, None)
+    if not record.ended or record.state == "DONE":
+        return None
+    reason = record.reason or record.state
+    status = end_reason_status(reason)
+    if status == 504:
+        side: str | None = deadline_side(record, True)
+    else:
+        side = _BLAMED_SIDE.get(reason)
+    message = f"{key} ended {record.state} with {reason}" + (f": {record.detail}" if record.detail else "")
+    return Verdict(status, reason, message, side)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvpush.services.router.core import EnginePool
+from kvpush.services.router.core import FAILURE_REASONS, LEG_FAILED, EnginePool
 
 # TTFT spans a few milliseconds (tiny prompts, idle engines) to the queueing
 # of an overloaded pair (tens of seconds).
@@ -23,6 +23,14 @@ class RouterMetrics:
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed prefill or decode legs, by leg and cause", ["leg", "cause"], registry=r)
         self.retries = Counter("kvpush_router_retries", "Dispatches retried with a new attempt after a leg failed", registry=r)
         self.cancel_failures = Counter("kvpush_router_cancel_failures", "CancelTransfer calls that did not succeed", registry=r)
+        self.failed_requests = Counter(
+            "kvpush_router_failed_requests",
+            "Client requests that failed, by reason: a kvpush EndReason name or a router-side cause (core.ROUTER_REASONS)",
+            ["reason"],
+            registry=r,
+        )
+        # Every reason shows from the start (0), and nothing outside the set becomes a label.
+        self._failed_by_reason = {reason: self.failed_requests.labels(reason) for reason in FAILURE_REASONS}
         self.ttft = Histogram(
             "kvpush_router_time_to_first_token_seconds", "Client request received to first streamed output sent", buckets=_TTFT_BUCKETS, registry=r
         )
@@ -30,3 +38,7 @@ class RouterMetrics:
         for pool in pools:
             for endpoint in pool.endpoints:
                 in_flight.labels(pool.role, endpoint.engine_id, endpoint.url).set_function(lambda pool=pool, endpoint=endpoint: pool.in_flight(endpoint))
+
+    def failed(self, reason: str) -> None:
+        """Counts one failed request; a reason outside FAILURE_REASONS (a newer broker's EndReason) counts as LEG_FAILED."""
+        self._failed_by_reason.get(reason, self._failed_by_reason[LEG_FAILED]).inc()

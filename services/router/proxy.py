@@ -11,6 +11,14 @@ makes vLLM abort it) and, when the fault was an engine's and another engine
 is left to try, both legs go out again as attempt + 1. Once output has
 reached the client nothing is retried: a streamed answer ends with an
 OpenAI-style error event, as vLLM ends its own failed streams.
+
+Push mode asks the broker why a kvpush attempt failed (vLLM only tells
+the decode leg "Internal server error"): when the decode leg fails, when
+it has no output by the transfer deadline plus slack, and, with a long
+poll, once the prefill leg has answered and the decode leg stays silent.
+The client gets the broker's end reason with a fitting status
+(core.explain_attempt) without waiting for the decode engine, which
+fails its request only once the attempt is fenced.
 """
 
 from __future__ import annotations
@@ -36,13 +44,28 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import (
     CHAT_COMPLETIONS_PATH,
+    CLIENT_GONE,
     COMPLETIONS_PATH,
+    CONTROL_PLANE_UNREACHABLE,
+    ENGINE_REJECTED,
+    INVALID_REQUEST,
+    LEG_FAILED,
+    LEG_TIMEOUT,
+    NO_ENGINE,
+    OUTPUT_BROKE_OFF,
     PULL_PREFILL_PARAMS,
+    ROUTER_DEADLINE_EXCEEDED,
+    TRANSFER_CONFLICT,
+    AttemptRecord,
     BadRequest,
     Endpoint,
     EnginePool,
+    Verdict,
+    check_client_request_id,
     check_routable,
+    deadline_side,
     decode_body,
+    explain_attempt,
     kvpush_params,
     prefill_body,
     upstream_push_decode_params,
@@ -62,7 +85,16 @@ TRACE_HEADERS = ("traceparent", "tracestate", "baggage")
 # A streamed chunk with top logprobs can pass aiohttp's 64 KiB read buffer.
 READ_BUFSIZE = 4 * 1024 * 1024
 MAX_BODY_BYTES = 64 * 1024 * 1024
-ERROR_TYPES = {400: "BadRequestError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+ERROR_TYPES = {400: "BadRequestError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
+# nginx's status for a request whose client closed the connection first (no one reads it: metrics only).
+CLIENT_CLOSED_STATUS = 499
+# How often a push-mode attempt waiting for the decode leg's first output
+# checks that its client is still connected (aiohttp does not cancel
+# handlers by default, so nothing else would notice before the answer).
+CLIENT_CHECK_INTERVAL_S = 0.25
+# The longest single GetTransfer long poll (the broker honours up to 600 s);
+# a longer wait polls again.
+MAX_POLL_WAIT_S = 60.0
 
 
 def error_body(status: int, message: str, **details: Any) -> dict[str, Any]:
@@ -82,6 +114,9 @@ class LegFailure(Exception):
     engine, passed to the client as is.
     """
 
+    # cancel_attempt: whether the attempt is ours to cancel at the broker.
+    cancel_attempt = True
+
     def __init__(
         self, leg: str, endpoint: Endpoint, cause: str, message: str, *, status: int = 502, retryable: bool = True, engine_body: bytes | None = None
     ):
@@ -92,12 +127,47 @@ class LegFailure(Exception):
         self.status = status
         self.retryable = retryable
         self.engine_body = engine_body
+        self.attempt = 0  # set by the dispatch loop
+
+    @property
+    def reason(self) -> str:
+        """The failure's reason (core.FAILURE_REASONS): its body's "reason" and its metrics label."""
+        if self.cause == "rejected":
+            return ENGINE_REJECTED
+        return LEG_TIMEOUT if self.cause == "timeout" else LEG_FAILED
 
     def response(self, transfer_id: str) -> web.Response:
         if self.engine_body is not None and 400 <= self.status < 500:
             # The request itself was at fault: the engine's own answer says best why.
             return web.Response(status=self.status, body=self.engine_body, content_type="application/json")
-        return error_response(self.status, str(self), leg=self.leg, engine_id=self.endpoint.engine_id, transfer_id=transfer_id)
+        details: dict[str, Any] = {"reason": self.reason, "leg": self.leg, "engine_id": self.endpoint.engine_id, "transfer_id": transfer_id}
+        if self.attempt:
+            details["attempt"] = self.attempt
+        return error_response(self.status, str(self), **details)
+
+
+class TransferFailure(LegFailure):
+    """A push-mode attempt that failed for a reason the broker (or the router's transfer deadline) gives.
+
+    leg and endpoint name the engine a retry avoids (the side the reason
+    blames), or the decode leg when none is blamed. The message is the
+    verdict's, followed by what the router saw of the legs.
+    """
+
+    def __init__(self, verdict: Verdict, leg: str, endpoint: Endpoint, seen: str = ""):
+        LegFailure.__init__(self, leg, endpoint, "transfer", verdict.message, status=verdict.status, retryable=verdict.retry_side is not None)
+        self.args = (verdict.message + (f" ({seen})" if seen else ""),)
+        self.verdict = verdict
+        # A record that is another request's is never ours to cancel.
+        self.cancel_attempt = verdict.reason != TRANSFER_CONFLICT
+
+    @property
+    def reason(self) -> str:
+        return self.verdict.reason
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer."""
 
 
 def _failure_from_exception(leg: str, endpoint: Endpoint, exc: BaseException, limit_s: float) -> LegFailure:
@@ -151,6 +221,15 @@ class RequestContext:
     started: float  # time.monotonic() when the request arrived
     authorization: str
     incoming_trace: dict[str, str]  # the client's trace headers
+    client: web.BaseRequest | None = None  # the client's request, to notice its disconnecting
+    failure_reason: str = ""  # why the request failed (core.FAILURE_REASONS), "" if it did not
+
+    def client_gone(self) -> bool:
+        """Whether the client's connection closed (aiohttp drops the request's transport then)."""
+        if self.client is None:
+            return False
+        transport = self.client.transport
+        return transport is None or transport.is_closing()
 
     def trace_carrier(self, span: Span) -> dict[str, str]:
         """The W3C headers naming span; the client's own when tracing is off (no span to name)."""
@@ -333,12 +412,16 @@ class Router:
             attributes={"http.request.method": "POST", "http.route": request.path, ATTR_CLIENT_REQUEST_ID: client_request_id, "kvpush.mode": self.config.mode},
         )
         status = 500
+        failure_reason = ""
         try:
             with trace.use_span(span, end_on_exit=False):
                 try:
                     body = check_routable(await request.json())
+                    if self.config.mode == "push":
+                        check_client_request_id(client_request_id)
                 except (ValueError, BadRequest) as exc:
-                    response = error_response(400, f"invalid request: {exc}")
+                    response = error_response(400, f"invalid request: {exc}", reason=INVALID_REQUEST)
+                    failure_reason = INVALID_REQUEST
                 else:
                     ctx = RequestContext(
                         path=request.path,
@@ -350,14 +433,21 @@ class Router:
                         started=started,
                         authorization=request.headers.get("Authorization", ""),
                         incoming_trace=carrier,
+                        client=request,
                     )
                     span.set_attribute(ATTR_TRANSFER_ID, ctx.transfer_id)
                     span.set_attribute("kvpush.stream", ctx.stream)
-                    response = await self._dispatch(request, ctx)
+                    try:
+                        response = await self._dispatch(request, ctx)
+                    finally:
+                        failure_reason = ctx.failure_reason
                 status = response.status
                 return response
         finally:
             self.metrics.requests.labels(request.path, str(status)).inc()
+            if failure_reason:
+                self.metrics.failed(failure_reason)
+                span.set_attribute("kvpush.failure_reason", failure_reason)
             span.set_attribute("http.response.status_code", status)
             if status >= 400 and span.is_recording():
                 span.set_status(Status(StatusCode.ERROR, f"HTTP {status}"))
@@ -383,10 +473,16 @@ class Router:
                     opened = await self._attempt_sequential(ctx, attempt, p_endpoint, d_endpoint)
                 else:
                     opened = await self._attempt_concurrent(ctx, attempt, p_endpoint, d_endpoint)
+            except ClientGone:
+                logger.info("request %s: the client went away before any output", ctx.client_request_id)
+                ctx.failure_reason = CLIENT_GONE
+                return web.Response(status=CLIENT_CLOSED_STATUS)
             except LegFailure as exc:
                 failure = exc
+                exc.attempt = attempt
                 self.metrics.leg_failures.labels(exc.leg, exc.cause).inc()
-                ctx.span.add_event("leg_failed", {"kvpush.leg": exc.leg, "kvpush.cause": exc.cause, ATTR_ATTEMPT: attempt, "message": str(exc)})
+                event = {"kvpush.leg": exc.leg, "kvpush.cause": exc.cause, "kvpush.reason": exc.reason, ATTR_ATTEMPT: attempt, "message": str(exc)}
+                ctx.span.add_event("leg_failed", event)
                 logger.warning("request %s attempt %d: %s", ctx.client_request_id, attempt, exc)
                 if not exc.retryable:
                     break
@@ -394,9 +490,11 @@ class Router:
                 continue
             return await self._respond(request, ctx, opened)
         if failure is not None:
+            ctx.failure_reason = failure.reason
             return failure.response(ctx.transfer_id)
         role = "prefill" if p_endpoint is None else "decode"
-        return error_response(503, f"no {role} engine available", leg=role)
+        ctx.failure_reason = NO_ENGINE
+        return error_response(503, f"no {role} engine available", leg=role, reason=NO_ENGINE)
 
     def _leg_span(self, ctx: RequestContext, leg: str, endpoint: Endpoint, attempt: int) -> Span:
         return self.tracer.start_span(
@@ -463,15 +561,19 @@ class Router:
         decode = DecodeLeg(self, ctx, d_endpoint, decode_body(ctx.body, d_params), d_headers, d_span)
         d_task = asyncio.create_task(decode.open())
         try:
-            await self._first_output(ctx, p_task, d_task, p_endpoint, d_endpoint)
+            if config.mode == "push":
+                await self._first_output_push(ctx, attempt, p_task, d_task, p_endpoint, d_endpoint)
+            else:
+                await self._first_output(ctx, p_task, d_task, p_endpoint, d_endpoint)
         except BaseException as exc:
             for task in (p_task, d_task):
                 task.cancel()
             # Both tasks end at once when cancelled; their own failures were already handled here.
             await asyncio.gather(p_task, d_task, return_exceptions=True)
-            decode.close(abort=True, error=str(exc) or type(exc).__name__)
-            if config.mode == "push":
-                await self._cancel_transfer(ctx.transfer_id, attempt, str(exc))
+            error = "client went away" if isinstance(exc, ClientGone) else str(exc) or type(exc).__name__
+            decode.close(abort=True, error=error)
+            if config.mode == "push" and getattr(exc, "cancel_attempt", True):
+                await self._cancel_transfer(ctx.transfer_id, attempt, error)
             raise
         return Opened(decode, p_task)
 
@@ -491,6 +593,184 @@ class Router:
             if p_task in done and p_task.exception() is not None:
                 raise p_task.exception()
         d_task.result()
+
+    async def _first_output_push(
+        self, ctx: RequestContext, attempt: int, p_task: asyncio.Task, d_task: asyncio.Task, p_endpoint: Endpoint, d_endpoint: Endpoint
+    ) -> None:
+        """Push mode: waits for the decode leg's first output; raises the failure to answer, with the broker's reason where it has one.
+
+        Besides the leg timeouts of _first_output:
+        * transfer deadline guard: no output by the attempt's timeout_ms plus
+          transfer_deadline_slack_s answers at once (the broker's reason, else
+          504), unless the broker says the KV arrived (DONE: a long
+          non-streamed answer is still being generated);
+        * early failure: once the prefill leg has answered and the decode leg
+          stayed silent for early_poll_delay_s, a GetTransfer long poll
+          returns when the attempt ends; an end without the KV is answered
+          at once, without waiting for the decode engine (it fails its
+          request only once the broker has fenced the attempt, or at its own
+          deadline plus a margin when it lost the broker). Polling only
+          after the prefill leg answered, and only after a delay, keeps the
+          RPC off successful streamed requests: their decode leg's first
+          chunk follows P's answer within a WRITE and one decode step. A
+          non-streamed request's output is its whole answer, so a long one
+          does make this one call (answered as soon as the attempt is DONE);
+        * a client that disconnects ends the attempt (ClientGone).
+        """
+        loop = asyncio.get_running_loop()
+        config = self.config
+        started = loop.time()
+        limit = config.first_token_timeout_s if ctx.stream else config.request_timeout_s
+        deadline = started + limit
+        guard_at = started + config.transfer_timeout_ms / 1000 + config.transfer_deadline_slack_s
+        poll_at = float("inf")  # when the long poll starts: set once the prefill leg has answered
+        poll: asyncio.Task | None = None
+        kv_arrived = False  # the broker said DONE: nothing left to ask it
+        client_watch = asyncio.create_task(self._watch_client(ctx))
+        pending: set[asyncio.Task] = {p_task, d_task, client_watch}
+        try:
+            while not d_task.done():
+                now = loop.time()
+                if client_watch.done():
+                    raise ClientGone()
+                if now >= deadline:
+                    if not p_task.done():
+                        raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s while the decode leg waited for the KV", status=504)
+                    timeout = LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s", status=504)
+                    raise await self._explain_overdue(ctx, attempt, p_endpoint, d_endpoint, timeout)
+                if now >= guard_at:
+                    guard_at = float("inf")
+                    failure = await self._at_transfer_deadline(ctx, attempt, p_endpoint, d_endpoint, prefill_finished=p_task.done())
+                    if failure is not None:
+                        raise failure
+                    kv_arrived = True  # only the leg timeouts bound the decode leg now
+                    continue
+                if poll is None and not kv_arrived and now >= poll_at:
+                    poll = asyncio.create_task(self._watch_attempt(ctx.transfer_id, attempt, until=guard_at))
+                    pending.add(poll)
+                wake = min(deadline, guard_at, poll_at if poll is None and not kv_arrived else float("inf"))
+                done, pending = await asyncio.wait(pending, timeout=max(wake - now, 0), return_when=asyncio.FIRST_COMPLETED)
+                if p_task in done:
+                    if p_task.exception() is not None:
+                        raise p_task.exception()
+                    poll_at = loop.time() + config.early_poll_delay_s
+                if poll is not None and poll in done:
+                    record = poll.result()
+                    if record is not None and record.ended:
+                        verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
+                        if verdict is not None:
+                            raise self._transfer_failure(verdict, p_endpoint, d_endpoint, "the decode leg had no output yet")
+                        # DONE: the KV arrived; only the leg timeouts bound the decode leg now.
+                        guard_at, kv_arrived = float("inf"), True
+        finally:
+            helpers = [task for task in (poll, client_watch) if task is not None and not task.done()]
+            for task in helpers:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+        try:
+            d_task.result()
+        except LegFailure as exc:
+            if exc.status < 500 or exc.cause == "connect":
+                raise  # the engine refused the request itself, or never got it: the broker knows nothing more
+            explained = await self._explain_decode_failure(ctx, attempt, p_endpoint, d_endpoint, exc)
+            if explained is exc:
+                raise
+            raise explained from exc
+
+    @staticmethod
+    async def _watch_client(ctx: RequestContext) -> None:
+        """Returns once the client's connection is gone (a sleep loop of its own: cheaper than waking the attempt's wait)."""
+        while not ctx.client_gone():
+            await asyncio.sleep(CLIENT_CHECK_INTERVAL_S)
+
+    # ---- the broker's view of an attempt (push mode) ------------------------------------
+
+    async def _lookup(self, transfer_id: str, attempt: int, wait_s: float | None = None) -> AttemptRecord:
+        """The broker's record of the attempt (GetTransfer; a long poll with wait_s); raises kvpush.errors exceptions."""
+        request = rv_pb.GetTransferRequest(transfer_id=transfer_id, attempt=attempt)
+        response = await self.broker.get_transfer(request, timeout_s=self.config.cancel_timeout_s, wait_s=wait_s)
+        return AttemptRecord.from_transfer(response.transfer)
+
+    async def _watch_attempt(self, transfer_id: str, attempt: int, *, until: float) -> AttemptRecord | None:
+        """Long-polls the broker until the attempt ends or loop time `until`; None when the broker cannot tell by then."""
+        loop = asyncio.get_running_loop()
+        retry_s = max(self.config.early_poll_delay_s, 0.05)
+        while True:
+            wait_s = min(until - loop.time(), MAX_POLL_WAIT_S)
+            if wait_s <= 0:
+                return None
+            try:
+                record = await self._lookup(transfer_id, attempt, wait_s=wait_s)
+            except errors.NotFound:
+                # Neither side has reached the broker yet (the broker cannot
+                # wait for an attempt it does not know): ask again, less and
+                # less often; the transfer deadline guard bounds this.
+                await asyncio.sleep(max(min(retry_s, until - loop.time()), 0))
+                retry_s *= 2
+                continue
+            except errors.KvpushError as exc:
+                logger.info("long poll of transfer %s attempt %d failed: %s", transfer_id, attempt, exc)
+                return None
+            if record.ended:
+                return record
+
+    def _transfer_failure(self, verdict: Verdict, p_endpoint: Endpoint, d_endpoint: Endpoint, seen: str) -> TransferFailure:
+        if verdict.retry_side == PREFILL:
+            return TransferFailure(verdict, PREFILL, p_endpoint, seen)
+        return TransferFailure(verdict, DECODE, d_endpoint, seen)
+
+    async def _explain_decode_failure(self, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, failure: LegFailure) -> LegFailure:
+        """What to answer for a decode leg that failed (5xx, an error event, no output): the broker's reason, else the leg's own failure."""
+        try:
+            record = await self._lookup(ctx.transfer_id, attempt)
+        except errors.NotFound:
+            # The decode engine failed the request before registering it (its log says why).
+            failure.args = (f"{failure}; the broker has no record of transfer {ctx.transfer_id} attempt {attempt}",)
+            return failure
+        except errors.KvpushError as exc:
+            # Not an engine's fault that another engine would fix: no retry.
+            message = f"{failure}; the kvpush control plane could not say why: {exc}"
+            return TransferFailure(Verdict(503, CONTROL_PLANE_UNREACHABLE, message, None), DECODE, d_endpoint)
+        verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
+        if verdict is None:
+            failure.args = (f"{failure}; transfer {ctx.transfer_id} attempt {attempt}: {record.describe()}",)
+            return failure
+        return self._transfer_failure(verdict, p_endpoint, d_endpoint, str(failure))
+
+    async def _explain_overdue(self, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, failure: LegFailure) -> LegFailure:
+        """A leg timeout: the broker's reason when the attempt ended without the KV, else the timeout itself."""
+        try:
+            record = await self._lookup(ctx.transfer_id, attempt)
+        except errors.KvpushError:
+            return failure
+        verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
+        return failure if verdict is None else self._transfer_failure(verdict, p_endpoint, d_endpoint, str(failure))
+
+    async def _at_transfer_deadline(
+        self, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, *, prefill_finished: bool
+    ) -> LegFailure | None:
+        """The transfer deadline plus slack passed without decode output: None if the broker says the KV arrived, else the failure to answer."""
+        config = self.config
+        record: AttemptRecord | None = None
+        try:
+            record = await self._lookup(ctx.transfer_id, attempt)
+        except errors.NotFound:
+            known = "the broker never heard of the attempt"
+        except errors.KvpushError as exc:
+            known = f"the kvpush control plane could not say why: {exc}"
+        else:
+            if record.state == "DONE":
+                return None
+            verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
+            if verdict is not None:
+                return self._transfer_failure(verdict, p_endpoint, d_endpoint, "no decode output by the transfer deadline")
+            known = record.describe()
+        message = (
+            f"transfer {ctx.transfer_id} attempt {attempt}: no first token before the transfer deadline "
+            f"({config.transfer_timeout_ms} ms + {config.transfer_deadline_slack_s:g} s); {known}"
+        )
+        side = deadline_side(record, prefill_finished)
+        return self._transfer_failure(Verdict(504, ROUTER_DEADLINE_EXCEEDED, message, side), p_endpoint, d_endpoint, "")
 
     async def _attempt_sequential(self, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint) -> Opened:
         """Pull mode: the prefill leg, then the decode leg with the parameters the prefill engine returned."""
@@ -549,11 +829,12 @@ class Router:
                         line = await decode.next_line()
                     except (TimeoutError, aiohttp.ClientError) as exc:
                         error = f"decode leg to {decode.endpoint} broke off after output started: {type(exc).__name__}: {exc}"
+                        ctx.failure_reason = OUTPUT_BROKE_OFF
                         self.metrics.leg_failures.labels(DECODE, "after_output").inc()
                         logger.warning("request %s: %s", ctx.client_request_id, error)
                         ctx.span.set_status(Status(StatusCode.ERROR, error))
                         decode.close(abort=True, error=error)
-                        event = error_body(502, error, leg=DECODE, engine_id=decode.endpoint.engine_id, transfer_id=ctx.transfer_id)
+                        event = error_body(502, error, reason=OUTPUT_BROKE_OFF, leg=DECODE, engine_id=decode.endpoint.engine_id, transfer_id=ctx.transfer_id)
                         await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
                         break
                     if not line:
@@ -568,6 +849,7 @@ class Router:
                     decode.close(abort=False)
                 else:
                     logger.info("request %s: the client went away", ctx.client_request_id)
+                    ctx.failure_reason = CLIENT_GONE
                     ctx.span.set_status(Status(StatusCode.ERROR, "client went away"))
                     decode.close(abort=True, error="client went away")
             return response

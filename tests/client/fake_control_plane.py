@@ -45,7 +45,7 @@ class FakeRegistrar(reg_grpc.RegistrarServiceServicer):
 
     async def RegisterEngineRank(self, request, context):
         self.behaviour.record("RegisterEngineRank", context)
-        return reg_pb.RegisterEngineRankResponse(lease_id=f"lease-{request.rank.engine_id}-{request.rank.tp_rank}", engine_token="engine-token-1")
+        return reg_pb.RegisterEngineRankResponse(lease_id=f"lease-{request.rank.engine_id}-{request.rank.tp_rank}")
 
     async def GetEngine(self, request, context):
         self.behaviour.record("GetEngine", context)

@@ -21,20 +21,23 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import sample_engines
+from kvpush.services.common.tokens import create_tokens
 from kvpush.telemetry import read_spans
 
-TOKEN = "control-plane-test-token"
+IDENTITIES = ("router", "prefill-a", "decode-a", "prefill-b", "prefill-c", "decode-c")
 
 
 class ControlPlane:
-    """A `kvpush control-plane` process on 127.0.0.1 writing its spans to a file."""
+    """A `kvpush control-plane` process on 127.0.0.1 writing its spans to a file; each identity has its own token."""
 
     def __init__(self, workdir):
         port_file = workdir / "port"
+        self.tokens_dir = workdir / "tokens"
+        create_tokens(self.tokens_dir, IDENTITIES)
         self.traces = workdir / "traces.jsonl"
         env = {name: value for name, value in os.environ.items() if not name.startswith(("OTEL_", "KVPUSH_"))}
         env.update(OTEL_TRACES_EXPORTER="kvpush_file", KVPUSH_TRACES_FILE=str(self.traces))
-        command = [sys.executable, "-m", "kvpush.cli", "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--token", TOKEN]
+        command = [sys.executable, "-m", "kvpush.cli", "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(port_file), "--tokens-dir", str(self.tokens_dir)]
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 60
         while not port_file.exists():
@@ -45,6 +48,9 @@ class ControlPlane:
                 pytest.fail("control plane did not announce its port within 60 s")
             time.sleep(0.05)
         self.target = f"127.0.0.1:{int(port_file.read_text())}"
+
+    def token(self, identity: str) -> str:
+        return (self.tokens_dir / identity).read_text().strip()
 
     def stop(self) -> None:
         self.process.terminate()
@@ -63,19 +69,19 @@ def control_plane(tmp_path_factory):
     server.stop()
 
 
-async def _register(target: str, request: reg_pb.RegisterEngineRankRequest, tracer_provider=None) -> tuple[RegistrarClient, BrokerClient]:
-    """Registers one engine rank; returns clients that act for that engine."""
-    config = ClientConfig(target=target, token=TOKEN)
+async def _register(control_plane: ControlPlane, request: reg_pb.RegisterEngineRankRequest, tracer_provider=None) -> tuple[RegistrarClient, BrokerClient]:
+    """Registers one engine rank with that engine's token; returns clients that act for the engine."""
+    config = ClientConfig(target=control_plane.target, token=control_plane.token(request.rank.engine_id))
     registrar = RegistrarClient(config, tracer_provider=tracer_provider)
     broker = BrokerClient(config, tracer_provider=tracer_provider)
     response = await registrar.register_engine_rank(request)
-    registrar.engine_token = broker.engine_token = response.engine_token
+    assert response.lease_id and not response.engine_token
     return registrar, broker
 
 
 async def test_a_whole_transfer_through_the_clients(control_plane):
-    prefill_registrar, prefill = await _register(control_plane.target, sample_engines.rank_request("prefill-a", sample_engines.PREFILL))
-    decode_registrar, decode = await _register(control_plane.target, sample_engines.rank_request("decode-a", sample_engines.DECODE))
+    prefill_registrar, prefill = await _register(control_plane, sample_engines.rank_request("prefill-a", sample_engines.PREFILL))
+    decode_registrar, decode = await _register(control_plane, sample_engines.rank_request("decode-a", sample_engines.DECODE))
     try:
         orders = prefill.stream_write_orders(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-a", incarnation="inc-1"))
         events = decode.stream_transfer_events(rv_pb.StreamTransferEventsRequest(engine_id="decode-a", incarnation="inc-1"))
@@ -101,7 +107,7 @@ async def test_a_whole_transfer_through_the_clients(control_plane):
 
 
 async def test_real_errors_carry_reason_and_field(control_plane):
-    registrar, broker = await _register(control_plane.target, sample_engines.rank_request("prefill-b", sample_engines.PREFILL))
+    registrar, broker = await _register(control_plane, sample_engines.rank_request("prefill-b", sample_engines.PREFILL))
     try:
         with pytest.raises(errors.NotFound) as not_found:
             await registrar.get_engine(reg_pb.GetEngineRequest(engine_id="nobody"))
@@ -109,13 +115,18 @@ async def test_real_errors_carry_reason_and_field(control_plane):
         with pytest.raises(errors.InvalidArgument) as invalid:
             await broker.register_destination(rv_pb.RegisterDestinationRequest())
         assert (invalid.value.reason, invalid.value.field) == (errors.Reason.FIELD_REQUIRED, "key.transfer_id")
-        broker.engine_token = ""
-        with pytest.raises(errors.Unauthenticated) as anonymous:
-            await broker.report_prefill_done(sample_engines.prefill_done_request("tr-b", prefill_engine_id="prefill-b"))
-        assert anonymous.value.reason == errors.Reason.MISSING_CREDENTIALS
     finally:
         await registrar.close()
         await broker.close()
+    prefill_done = sample_engines.prefill_done_request("tr-b", prefill_engine_id="prefill-b")
+    async with BrokerClient(ClientConfig(target=control_plane.target, token=control_plane.token("prefill-a"))) as other_engine:
+        with pytest.raises(errors.PermissionDenied) as denied:
+            await other_engine.report_prefill_done(prefill_done)
+    assert (denied.value.reason, denied.value.field) == (errors.Reason.ENGINE_IDENTITY_MISMATCH, "source.engine_id")
+    async with BrokerClient(ClientConfig(target=control_plane.target)) as anonymous:
+        with pytest.raises(errors.Unauthenticated) as missing:
+            await anonymous.report_prefill_done(prefill_done)
+    assert missing.value.reason == errors.Reason.MISSING_CREDENTIALS
     async with RegistrarClient(ClientConfig(target=control_plane.target, token="wrong")) as intruder:
         with pytest.raises(errors.Unauthenticated) as refused:
             await intruder.list_engines(reg_pb.ListEnginesRequest())
@@ -127,8 +138,8 @@ async def test_server_span_is_the_child_of_the_client_span(control_plane):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     clients = [
-        *await _register(control_plane.target, sample_engines.rank_request("prefill-c", sample_engines.PREFILL)),
-        *await _register(control_plane.target, sample_engines.rank_request("decode-c", sample_engines.DECODE), provider),
+        *await _register(control_plane, sample_engines.rank_request("prefill-c", sample_engines.PREFILL)),
+        *await _register(control_plane, sample_engines.rank_request("decode-c", sample_engines.DECODE), provider),
     ]
     try:
         await clients[-1].register_destination(sample_engines.destination_request("tr-c", prefill_engine_id="prefill-c", decode_engine_id="decode-c"))

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.services.common.tokens import load_tokens_dir
 from kvpush.services.router.config import RouterConfig, parse_endpoint
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -36,6 +37,22 @@ def find(kind: str, name: str) -> dict:
 
 def containers(workload: dict) -> list[dict]:
     return workload["spec"]["template"]["spec"]["containers"]
+
+
+def token_mount(workload: dict, container: dict) -> tuple[str, dict]:
+    """Where the container mounts the kvpush-tokens Secret, and that volume's secret source."""
+    (mount,) = [m for m in container["volumeMounts"] if m["name"].startswith("token")]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "kvpush-tokens" and mount["readOnly"]
+    return mount["mountPath"], volume["secret"]
+
+
+def own_token_file(workload: dict, container: dict, identity: str) -> str:
+    """The one token file a pod gets: only identity's key of the Secret."""
+    path, source = token_mount(workload, container)
+    (item,) = source["items"]
+    assert item["key"] == identity
+    return f"{path}/{item['path']}"
 
 
 def test_every_file_has_documents_and_every_object_is_in_the_namespace():
@@ -101,8 +118,16 @@ def test_control_plane_is_probed_over_grpc_health_and_configured_from_the_config
     assert config["KVPUSH_LISTEN"].endswith(f":{grpc_port}")
     metrics_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
     assert config["KVPUSH_METRICS_PORT"] == str(metrics_port)
-    token_mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "token")
-    assert config["KVPUSH_TOKEN_FILE"] == f"{token_mount}/{next(iter(find('Secret', 'kvpush-token')['stringData']))}"
+    tokens_dir, source = token_mount(deployment, container)
+    assert config["KVPUSH_TOKENS_DIR"] == tokens_dir and "items" not in source  # every identity's key
+
+
+def test_the_tokens_secret_is_a_valid_tokens_dir_with_every_pods_identity(tmp_path):
+    for key, value in find("Secret", "kvpush-tokens")["stringData"].items():
+        (tmp_path / key).write_text(value)
+    identities = load_tokens_dir(tmp_path).identities  # names are identities, no token is shared
+    pods = {f"{d['metadata']['name']}-{i}" for d in DOCUMENTS if d["kind"] == "StatefulSet" for i in range(d["spec"]["replicas"])}
+    assert identities == {"router"} | pods
 
 
 def engine_kv_config(role: str) -> tuple[dict, dict]:
@@ -118,8 +143,7 @@ def test_engines_run_kvpush_with_a_config_the_connector_accepts(tmp_path, role, 
     kv_config, container = engine_kv_config(role)
     assert (kv_config["kv_connector"], kv_config["kv_role"], kv_config["engine_id"]) == ("KvpushConnector", kv_role, f"vllm-{role}-0")
     extra = kv_config["kv_connector_extra_config"]
-    token_mount = next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "token")
-    assert extra["token_file"].startswith(token_mount + "/")
+    assert extra["token_file"] == own_token_file(find("StatefulSet", f"vllm-{role}"), container, kv_config["engine_id"])
     service = find("Service", "kvpush-control-plane")
     host, port = extra["control_plane"].rsplit(":", 1)
     assert host == "kvpush-control-plane.kvpush.svc" and int(port) == next(p["port"] for p in service["spec"]["ports"] if p["name"] == "grpc")
@@ -152,3 +176,4 @@ def test_router_configmap_is_a_valid_router_config_naming_the_engine_pods(monkey
             assert endpoint == parse_endpoint(f"http://{pod}.{service['metadata']['name']}.kvpush.svc:{service['spec']['ports'][0]['port']}={pod}")
     (container,) = containers(find("Deployment", "kvpush-router"))
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert str(router.token_file) == own_token_file(find("Deployment", "kvpush-router"), container, "router")

@@ -2,9 +2,9 @@
 """A local kvpush control plane plus P/D engines, for tests, the demo and benchmarks.
 
 `start_control_plane` runs `kvpush control-plane` on 127.0.0.1 (port 0 by
-default, read back from its port file) with a token file and an engine-token
-key file kept in a work directory, so it can be stopped and restarted on the
-same port with the same credentials. `dispatch` plays a minimal router: both
+default, read back from its port file) with a tokens directory (one token
+per identity: the router and each engine) kept in a work directory, so it
+can be stopped and restarted on the same port with the same credentials. `dispatch` plays a minimal router: both
 legs of one transfer at once, as the push protocol wants.
 """
 
@@ -21,9 +21,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.services.common.tokens import ROUTER_IDENTITY, create_tokens
 from tests.e2e.harness import Completion, completions, stop_process, wait_for_port_file
 
 CONTROL_PLANE_START_TIMEOUT_S = 30.0
+# The engines a control plane started here has tokens for, unless told others.
+DEFAULT_ENGINE_IDS = ("prefill-0", "decode-0")
 
 
 @dataclass
@@ -39,11 +42,24 @@ class ControlPlaneHandle:
         return f"127.0.0.1:{self.port}"
 
     @property
+    def tokens_dir(self) -> Path:
+        return _tokens_dir(self.work_dir)
+
+    def token_file_of(self, identity: str) -> Path:
+        """The token file of identity (the router or an engine the control plane was started for)."""
+        path = self.tokens_dir / identity
+        if not path.exists():
+            raise ValueError(f"no token for {identity!r}: pass it in start_control_plane(engine_ids=...)")
+        return path
+
+    @property
     def token_file(self) -> Path:
-        return self.work_dir / "token"
+        """The router's token file (what a router, or a test querying transfers, presents)."""
+        return self.token_file_of(ROUTER_IDENTITY)
 
     @property
     def token(self) -> str:
+        """The router's token."""
         return self.token_file.read_text().strip()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -57,10 +73,18 @@ class ControlPlaneHandle:
             self.process.wait(5)
 
 
+def _tokens_dir(work_dir: Path) -> Path:
+    return work_dir / "tokens"
+
+
 def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str] | None = None,
-                        extra_args: Sequence[str] = ()) -> ControlPlaneHandle:
-    """Starts the embedded control plane and waits until it serves (bounded)."""
+                        extra_args: Sequence[str] = (), engine_ids: Sequence[str] = DEFAULT_ENGINE_IDS) -> ControlPlaneHandle:
+    """Starts the embedded control plane and waits until it serves (bounded).
+
+    The router and engine_ids get tokens (kept across restarts in the same work_dir).
+    """
     work_dir.mkdir(parents=True, exist_ok=True)
+    create_tokens(_tokens_dir(work_dir), [ROUTER_IDENTITY, *engine_ids])
     port_file = work_dir / "port"
     port_file.unlink(missing_ok=True)
     log = (work_dir / "control-plane.log").open("ab")
@@ -68,8 +92,7 @@ def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str]
         sys.executable, "-m", "kvpush.cli", "control-plane",
         "--listen", f"127.0.0.1:{port}",
         "--port-file", str(port_file),
-        "--token-file", str(work_dir / "token"),
-        "--engine-token-key-file", str(work_dir / "engine-token.key"),
+        "--tokens-dir", str(_tokens_dir(work_dir)),
         *extra_args,
     ]
     process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -84,7 +107,7 @@ def kvpush_transfer_config(role: str, engine_id: str, control_plane: ControlPlan
         "kv_connector": "KvpushConnector",
         "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}[role],
         "engine_id": engine_id,
-        "kv_connector_extra_config": {"control_plane": control_plane.address, "token_file": str(control_plane.token_file), **extra},
+        "kv_connector_extra_config": {"control_plane": control_plane.address, "token_file": str(control_plane.token_file_of(engine_id)), **extra},
     }
 
 

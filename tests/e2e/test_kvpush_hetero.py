@@ -35,7 +35,7 @@ def reference(tmp_path_factory, model_dir):
 )
 def test_heterogeneous_tp_and_block_size(tmp_path, model_dir, reference, prefill_tp, prefill_block, decode_tp, decode_block):
     prompts, expected = reference
-    control_plane = start_control_plane(tmp_path / "control-plane")
+    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-h", "decode-h"))
     servers = []
     try:
         for role, engine_id, tp, block, cpu in (("prefill", "prefill-h", prefill_tp, prefill_block, "0"),

@@ -1,5 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""In-process control planes on 127.0.0.1:0 and fake engines that talk to them through real stubs."""
+"""In-process control planes on 127.0.0.1:0 and fake engines that talk to them through real stubs.
+
+In token mode every identity has its own token (token_of); FakeEngine calls
+carry its engine's, bearer() the router's by default.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +24,11 @@ from kvpush.services import control_plane
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.registrar.config import RegistrarConfig
 
-TOKEN = "test-shared-token"
+# The identities the in-process control planes know.
+IDENTITIES = (ROUTER_IDENTITY, BROKER_IDENTITY, "prefill-0", "prefill-1", "decode-0", "decode-1")
 CALL_TIMEOUT_S = 5.0  # every unary call's deadline
 STREAM_TIMEOUT_S = 30.0  # every stream's deadline: no test stream outlives it
 WAIT_S = 5.0  # the longest a test waits for any message
@@ -72,22 +78,34 @@ class Inbox:
         await asyncio.gather(self._reader, return_exceptions=True)
 
 
-def bearer(token: str = TOKEN) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),)
+def token_of(identity: str) -> str:
+    """The test token of identity (every identity has its own)."""
+    return f"test-token-{identity}"
+
+
+def identity_tokens() -> IdentityTokens:
+    return IdentityTokens({identity: token_of(identity) for identity in IDENTITIES})
+
+
+def bearer(identity: str = ROUTER_IDENTITY) -> tuple[tuple[str, str], ...]:
+    """Call metadata authenticating as identity (the router by default)."""
+    return (("authorization", f"Bearer {token_of(identity)}"),)
 
 
 @dataclasses.dataclass
 class FakeEngine:
-    """One engine's ranks, registered over gRPC; its calls carry its engine token."""
+    """One engine's ranks, registered over gRPC; its calls carry its own token (token_of(engine_id) unless given)."""
 
     channel: grpc.aio.Channel
     engine_id: str
     role: int
     tp_size: int = 1
     incarnation: str = "inc-1"
-    shared_token: str = TOKEN
     token: str = ""
     leases: list[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token = self.token or token_of(self.engine_id)
 
     @property
     def registrar(self) -> reg_grpc.RegistrarServiceStub:
@@ -99,12 +117,12 @@ class FakeEngine:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (*bearer(self.shared_token), ("kvpush-engine-token", self.token))
+        return (("authorization", f"Bearer {self.token}"),)
 
     async def register(self, **kwargs) -> FakeEngine:
         for request in sample.engine_requests(self.engine_id, self.role, tp_size=self.tp_size, incarnation=self.incarnation, **kwargs):
-            response = await self.registrar.RegisterEngineRank(request, metadata=bearer(self.shared_token), timeout=CALL_TIMEOUT_S)
-            self.token = response.engine_token
+            response = await self.registrar.RegisterEngineRank(request, metadata=self.metadata, timeout=CALL_TIMEOUT_S)
+            assert not response.engine_token  # deprecated: never issued
             self.leases.append(response.lease_id)
         return self
 
@@ -136,7 +154,7 @@ async def running_control_plane(server_config: ServerConfig, *, registrar_config
         server_config,
         registrar_config or RegistrarConfig(default_lease_ttl_s=5.0),
         broker_config or BrokerConfig(),
-        token="" if server_config.mtls else TOKEN,
+        tokens=None if server_config.mtls else identity_tokens(),
         tracer_provider=tracer_provider,
     )
     tasks = [asyncio.create_task(runner.run()) for runner in plane.runners]

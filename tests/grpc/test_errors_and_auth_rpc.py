@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Refusals over real gRPC: status code, ErrorInfo reason and field; shared-token auth; health, reflection, tracing."""
+"""Refusals over real gRPC: status code, ErrorInfo reason and field; token auth; health, reflection, tracing."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, TOKEN, FakeEngine, bearer, expect_rpc_error, running_control_plane
+from conftest import CALL_TIMEOUT_S, FakeEngine, bearer, expect_rpc_error, running_control_plane, token_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
@@ -18,7 +18,6 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
-from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
@@ -27,7 +26,7 @@ T = CALL_TIMEOUT_S
 CODE = grpc.StatusCode
 
 
-# ----- shared-token auth -----
+# ----- token auth (what each identity may do: test_identity_rpc.py) -----
 
 
 async def test_a_call_without_the_token_is_unauthenticated(channel):
@@ -37,62 +36,32 @@ async def test_a_call_without_the_token_is_unauthenticated(channel):
     await expect_rpc_error(stream.read(), CODE.UNAUTHENTICATED, Reason.MISSING_CREDENTIALS)
 
 
-async def test_a_wrong_token_is_unauthenticated(channel):
+@pytest.mark.parametrize(
+    "authorization",
+    ["Bearer not-a-token", f"Basic {token_of('prefill-0')}", token_of("prefill-0"), "Bearer ", f"Bearer {token_of('prefill-0')}x"],
+    ids=["unknown token", "other scheme", "no scheme", "empty token", "token with a suffix"],
+)
+async def test_a_wrong_token_is_unauthenticated(channel, authorization):
     registrar = reg_grpc.RegistrarServiceStub(channel)
-    call = registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), metadata=bearer("not-" + TOKEN), timeout=T)
+    metadata = (("authorization", authorization),)
+    call = registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), metadata=metadata, timeout=T)
     await expect_rpc_error(call, CODE.UNAUTHENTICATED, Reason.BAD_TOKEN)
-    keep_alive = registrar.KeepAlive(metadata=bearer("not-" + TOKEN), timeout=T)
+    keep_alive = registrar.KeepAlive(metadata=metadata, timeout=T)
     await expect_rpc_error(keep_alive.read(), CODE.UNAUTHENTICATED, Reason.BAD_TOKEN)
 
 
-async def test_engine_calls_need_that_engines_token(engines):
+async def test_each_identity_is_known_by_its_own_token(engines):
     prefill, decode = engines
-    broker = prefill.broker
+    for identity in ("router", "broker", "prefill-0", "decode-0"):
+        listing = await prefill.registrar.ListEngines(reg_pb.ListEnginesRequest(role=sample.DECODE), metadata=bearer(identity), timeout=T)
+        assert [engine.engine_id for engine in listing.engines] == ["decode-0"]
+    # prefill-0's token is prefill-0, whichever engine a call names.
     await expect_rpc_error(
-        broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=bearer(), timeout=T), CODE.UNAUTHENTICATED, Reason.MISSING_CREDENTIALS, "source.engine_id"
-    )
-    await expect_rpc_error(
-        broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=decode.metadata, timeout=T),
-        CODE.PERMISSION_DENIED,
-        Reason.ENGINE_IDENTITY_MISMATCH,
-        "source.engine_id",
-    )
-    await expect_rpc_error(
-        broker.RegisterDestination(sample.destination_request("t1"), metadata=(*bearer(), ("kvpush-engine-token", "decode-0/forged")), timeout=T),
+        decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=prefill.metadata, timeout=T),
         CODE.PERMISSION_DENIED,
         Reason.ENGINE_IDENTITY_MISMATCH,
         "destination.engine_id",
     )
-    stream = broker.StreamWriteOrders(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1"), metadata=decode.metadata, timeout=T)
-    await expect_rpc_error(stream.read(), CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH, "engine_id")
-    keep_alive = prefill.registrar.KeepAlive(metadata=decode.metadata, timeout=T)
-    await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=prefill.leases))
-    await expect_rpc_error(keep_alive.read(), CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH, "lease_ids")
-    await expect_rpc_error(
-        prefill.registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=prefill.leases[0]), metadata=decode.metadata, timeout=T),
-        CODE.PERMISSION_DENIED,
-        Reason.ENGINE_IDENTITY_MISMATCH,
-        "lease_id",
-    )
-    key = tr_pb.TransferKey(transfer_id="t1", attempt=1)
-    await expect_rpc_error(
-        broker.CancelTransfer(rv_pb.CancelTransferRequest(key=key), metadata=(*bearer(), ("kvpush-engine-token", "nobody/xyz")), timeout=T),
-        CODE.PERMISSION_DENIED,
-        Reason.ENGINE_IDENTITY_MISMATCH,
-    )
-
-
-async def test_router_level_calls_need_no_engine_token(engines):
-    prefill, _ = engines
-    registrar = reg_grpc.RegistrarServiceStub(prefill.channel)
-    listing = await registrar.ListEngines(reg_pb.ListEnginesRequest(role=sample.DECODE), metadata=bearer(), timeout=T)
-    assert [engine.engine_id for engine in listing.engines] == ["decode-0"]
-    engine = (await registrar.GetEngine(reg_pb.GetEngineRequest(engine_id="prefill-0"), metadata=bearer(), timeout=T)).engine
-    assert engine.state == reg_pb.ENGINE_STATE_READY and engine.ranks[0].nixl.agent_metadata
-    watch = registrar.WatchEngines(reg_pb.WatchEnginesRequest(), metadata=bearer(), timeout=T)
-    first = await watch.read()
-    assert first.type == reg_pb.ENGINE_EVENT_TYPE_UPSERTED and first.engine.engine_id == "decode-0"
-    watch.cancel()
 
 
 # ----- bad inputs -----
@@ -123,20 +92,21 @@ def _bad_role(request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngin
 )
 async def test_bad_registrations(channel, mutate, reason, field):
     registrar = reg_grpc.RegistrarServiceStub(channel)
-    call = registrar.RegisterEngineRank(mutate(sample.rank_request("prefill-0", sample.PREFILL)), metadata=bearer(), timeout=T)
+    call = registrar.RegisterEngineRank(mutate(sample.rank_request("prefill-0", sample.PREFILL)), metadata=bearer("prefill-0"), timeout=T)
     await expect_rpc_error(call, CODE.INVALID_ARGUMENT, reason, field)
 
 
 async def test_registrar_lookups_and_lease_errors(channel):
     registrar = reg_grpc.RegistrarServiceStub(channel)
     await expect_rpc_error(registrar.GetEngine(reg_pb.GetEngineRequest(engine_id="none"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.ENGINE_NOT_FOUND, "engine_id")
+    engine = bearer("prefill-0")
     await expect_rpc_error(
-        registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id="none"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.LEASE_NOT_FOUND, "lease_id"
+        registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id="none"), metadata=engine, timeout=T), CODE.NOT_FOUND, Reason.LEASE_NOT_FOUND, "lease_id"
     )
-    keep_alive = registrar.KeepAlive(metadata=bearer(), timeout=T)
+    keep_alive = registrar.KeepAlive(metadata=engine, timeout=T)
     await keep_alive.write(reg_pb.KeepAliveRequest())
     await expect_rpc_error(keep_alive.read(), CODE.INVALID_ARGUMENT, Reason.FIELD_REQUIRED, "lease_ids")
-    keep_alive = registrar.KeepAlive(metadata=bearer(), timeout=T)
+    keep_alive = registrar.KeepAlive(metadata=engine, timeout=T)
     await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=["gone"]))
     assert list((await keep_alive.read()).unknown_lease_ids) == ["gone"]
     keep_alive.cancel()
@@ -146,7 +116,7 @@ async def test_conflicting_registration(engines):
     prefill, _ = engines
     changed = sample.rank_request("prefill-0", sample.PREFILL)
     changed.nixl.agent_name = "other"
-    await expect_rpc_error(prefill.registrar.RegisterEngineRank(changed, metadata=bearer(), timeout=T), CODE.ALREADY_EXISTS, Reason.CONFLICTING_DUPLICATE, "rank")
+    await expect_rpc_error(prefill.registrar.RegisterEngineRank(changed, metadata=prefill.metadata, timeout=T), CODE.ALREADY_EXISTS, Reason.CONFLICTING_DUPLICATE, "rank")
 
 
 BROKER_CASES = [
@@ -227,7 +197,7 @@ async def test_an_oversized_message_is_resource_exhausted():
             request = sample.rank_request("prefill-0", sample.PREFILL)
             request.nixl.agent_metadata = b"x" * (128 * 1024)
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await reg_grpc.RegistrarServiceStub(channel).RegisterEngineRank(request, metadata=bearer(), timeout=T)
+                await reg_grpc.RegistrarServiceStub(channel).RegisterEngineRank(request, metadata=bearer("prefill-0"), timeout=T)
             assert info.value.code() == CODE.RESOURCE_EXHAUSTED
 
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Mutual TLS: the client certificate's common name is the caller; engines act only for themselves."""
+"""Mutual TLS: the client certificate's common name is the caller (`router`, `broker` or an engine id); engines act only for themselves."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvpush.errors import Reason
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
@@ -25,6 +26,7 @@ from kvpush.services.common.config import ServerConfig
 
 T = CALL_TIMEOUT_S
 CODE = grpc.StatusCode
+DENIED, MISMATCH = CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH
 
 
 def _key() -> ec.EllipticCurvePrivateKey:
@@ -135,3 +137,57 @@ async def test_a_client_without_a_certificate_is_refused(pki_plane):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await rv_grpc.RendezvousServiceStub(anonymous).GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), timeout=T)
         assert info.value.code() == CODE.UNAVAILABLE  # the TLS handshake itself fails
+
+
+async def test_router_and_broker_certificates_never_act_for_an_engine(pki_plane):
+    pki, plane = pki_plane
+    async with pki.channel(plane.port, "prefill-0") as prefill_channel:
+        await reg_grpc.RegistrarServiceStub(prefill_channel).RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), timeout=T)
+    for identity in ("router", "broker"):
+        async with pki.channel(plane.port, identity) as channel:
+            registrar, broker = reg_grpc.RegistrarServiceStub(channel), rv_grpc.RendezvousServiceStub(channel)
+            await expect_rpc_error(registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), timeout=T), DENIED, MISMATCH, "rank.engine_id")
+            await expect_rpc_error(registrar.KeepAlive(timeout=T).read(), DENIED, MISMATCH, "lease_ids")
+            await expect_rpc_error(broker.ReportPrefillDone(sample.prefill_done_request("t1"), timeout=T), DENIED, MISMATCH, "source.engine_id")
+            await expect_rpc_error(broker.RegisterDestination(sample.destination_request("t1"), timeout=T), DENIED, MISMATCH, "destination.engine_id")
+            await expect_rpc_error(broker.ReportWriteResult(sample.write_result_request("t1"), timeout=T), DENIED, MISMATCH, "engine_id")
+            orders = broker.StreamWriteOrders(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1"), timeout=T)
+            await expect_rpc_error(orders.read(), DENIED, MISMATCH, "engine_id")
+            events = broker.StreamTransferEvents(rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1"), timeout=T)
+            await expect_rpc_error(events.read(), DENIED, MISMATCH, "engine_id")
+
+
+async def test_an_engine_certificate_may_not_take_over_another_engines_ranks(pki_plane):
+    pki, plane = pki_plane
+    async with pki.channel(plane.port, "prefill-0") as prefill_channel, pki.channel(plane.port, "decode-0") as decode_channel:
+        prefill_registrar = reg_grpc.RegistrarServiceStub(prefill_channel)
+        lease = await reg_grpc.RegistrarServiceStub(decode_channel).RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE), timeout=T)
+        for incarnation in ("inc-1", "inc-2"):  # the identical rank (its lease), then a new incarnation (eviction)
+            call = prefill_registrar.RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE, incarnation=incarnation), timeout=T)
+            await expect_rpc_error(call, DENIED, MISMATCH, "rank.engine_id")
+        keep_alive = prefill_registrar.KeepAlive(timeout=T)
+        await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=[lease.lease_id]))
+        await expect_rpc_error(keep_alive.read(), DENIED, MISMATCH, "lease_ids")
+        await expect_rpc_error(prefill_registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=lease.lease_id), timeout=T), DENIED, MISMATCH, "lease_id")
+        await expect_rpc_error(
+            rv_grpc.RendezvousServiceStub(prefill_channel).StreamTransferEvents(rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1"), timeout=T).read(),
+            DENIED,
+            MISMATCH,
+            "engine_id",
+        )
+    assert plane.registrar.get_engine("decode-0").incarnation == "inc-1" and plane.registrar.lease_engine(lease.lease_id) == "decode-0"
+
+
+async def test_the_broker_certificate_reads_engines_and_nothing_else(pki_plane):
+    pki, plane = pki_plane
+    async with pki.channel(plane.port, "decode-0") as decode_channel, pki.channel(plane.port, "prefill-0") as prefill_channel:
+        await reg_grpc.RegistrarServiceStub(prefill_channel).RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), timeout=T)
+        await reg_grpc.RegistrarServiceStub(decode_channel).RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE), timeout=T)
+        await rv_grpc.RendezvousServiceStub(decode_channel).RegisterDestination(sample.destination_request("t1"), timeout=T)
+    async with pki.channel(plane.port, "broker") as broker_channel:
+        listing = await reg_grpc.RegistrarServiceStub(broker_channel).ListEngines(reg_pb.ListEnginesRequest(), timeout=T)
+        assert [engine.engine_id for engine in listing.engines] == ["decode-0", "prefill-0"]
+        broker = rv_grpc.RendezvousServiceStub(broker_channel)
+        cancel = rv_pb.CancelTransferRequest(key=tr_pb.TransferKey(transfer_id="t1", attempt=1))
+        await expect_rpc_error(broker.CancelTransfer(cancel, timeout=T), DENIED, MISMATCH)
+        await expect_rpc_error(broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), timeout=T), DENIED, MISMATCH)

@@ -9,16 +9,25 @@ import argparse
 import pytest
 
 from kvpush.connector.params import parse
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.router.config import RouterConfig, parse_endpoint
 from kvpush.services.router.core import (
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
+    END_REASONS,
+    FAILURE_REASONS,
     PULL_PREFILL_PARAMS,
+    ROUTER_REASONS,
+    AttemptRecord,
     BadRequest,
     Endpoint,
     EnginePool,
+    check_client_request_id,
     check_routable,
+    deadline_side,
     decode_body,
+    end_reason_status,
+    explain_attempt,
     kvpush_params,
     prefill_body,
     upstream_push_decode_params,
@@ -117,6 +126,131 @@ def test_routable_body_passes():
     assert check_routable(body) is body
 
 
+def test_a_request_id_kvpush_cannot_carry_is_refused():
+    assert check_client_request_id("r" * 256) == "r" * 256
+    with pytest.raises(BadRequest, match="X-Request-Id is 257 characters long"):
+        check_client_request_id("r" * 257)
+
+
+# ---- transfer failures ----
+
+
+@pytest.mark.parametrize(
+    ("reason", "status"),
+    [
+        ("REGISTRATION_DEADLINE_EXCEEDED", 504),
+        ("PREFILL_DEADLINE_EXCEEDED", 504),
+        ("PREFILL_ENGINE_LOST", 503),
+        ("DECODE_ENGINE_LOST", 503),
+        ("TOKEN_COUNT_MISMATCH", 400),
+        ("SUPERSEDED", 409),
+        ("WRITE_FAILED", 502),
+        ("CANCELLED_BY_ROUTER", 502),
+        ("CANCELLED_BY_PREFILL", 502),
+        ("CANCELLED_BY_DECODE", 502),
+        ("END_REASON_PREFILL_ENGINE_LOST", 503),  # the prefix is optional
+        ("A_REASON_FROM_A_NEWER_BROKER", 502),
+    ],
+)
+def test_end_reason_status(reason, status):
+    assert end_reason_status(reason) == status
+
+
+def test_every_end_reason_has_a_status_and_a_label():
+    names = {name.removeprefix("END_REASON_") for name in tr_pb.EndReason.keys()} - {"UNSPECIFIED", "COMPLETED"}
+    assert set(END_REASONS) == names
+    assert all(end_reason_status(name) in (400, 409, 502, 503, 504) for name in names)
+    assert len(set(FAILURE_REASONS)) == len(FAILURE_REASONS) == len(END_REASONS) + len(ROUTER_REASONS), "a bounded label set, no name twice"
+
+
+def transfer(state: int, reason: int = 0, *, detail: str = "", client_request_id: str = "req-1", prefill: str = "prefill-0", decode: str = "decode-0",
+             timeline: tuple[int, ...] = (tr_pb.TIMELINE_ENTRY_KIND_REGISTERED, tr_pb.TIMELINE_ENTRY_KIND_PREFILL_DONE)) -> AttemptRecord:
+    message = tr_pb.Transfer(
+        key=tr_pb.TransferKey(transfer_id="xfer-1", attempt=2), client_request_id=client_request_id, state=state, end_reason=reason, detail=detail,
+        prefill_engine_id=prefill, decode_engine_id=decode,
+    )
+    for kind in timeline:
+        message.timeline.add(kind=kind)
+    return AttemptRecord.from_transfer(message)
+
+
+def explain(record: AttemptRecord):
+    return explain_attempt(record, "req-1", "prefill-0", "decode-0")
+
+
+def test_attempt_record_from_the_brokers_transfer():
+    record = transfer(tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_WRITE_FAILED, detail="rank tp0: boom", timeline=(tr_pb.TIMELINE_ENTRY_KIND_REGISTERED,))
+    assert (record.transfer_id, record.attempt, record.state, record.reason, record.detail) == ("xfer-1", 2, "FAILED", "WRITE_FAILED", "rank tp0: boom")
+    assert (record.registered, record.prefill_done, record.ended) == (True, False, True)
+    assert record.describe() == "FAILED WRITE_FAILED: rank tp0: boom"
+    live = transfer(tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL)
+    assert (live.reason, live.ended, live.describe()) == ("", False, "the broker holds it as WAITING_FOR_PREFILL")
+    assert transfer(99).state == "99", "a state a newer broker added shows as its number"
+
+
+def test_a_live_or_done_attempt_gives_no_reason():
+    assert explain(transfer(tr_pb.TRANSFER_STATE_MATCHED)) is None
+    assert explain(transfer(tr_pb.TRANSFER_STATE_DONE, tr_pb.END_REASON_COMPLETED)) is None
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "status", "retry_side"),
+    [
+        (tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_PREFILL_ENGINE_LOST, 503, "prefill"),
+        (tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_DECODE_ENGINE_LOST, 503, "decode"),
+        (tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_WRITE_FAILED, 502, "prefill"),
+        (tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_TOKEN_COUNT_MISMATCH, 400, None),
+        (tr_pb.TRANSFER_STATE_CANCELLED, tr_pb.END_REASON_CANCELLED_BY_ROUTER, 502, None),
+        (tr_pb.TRANSFER_STATE_CANCELLED, tr_pb.END_REASON_CANCELLED_BY_DECODE, 502, "decode"),
+        (tr_pb.TRANSFER_STATE_SUPERSEDED, tr_pb.END_REASON_SUPERSEDED, 409, None),
+    ],
+)
+def test_an_ended_attempt_gives_its_reason_status_and_retry(state, reason, status, retry_side):
+    verdict = explain(transfer(state, reason, detail="what happened"))
+    name = tr_pb.EndReason.Name(reason).removeprefix("END_REASON_")
+    assert (verdict.status, verdict.reason, verdict.retry_side) == (status, name, retry_side)
+    assert verdict.message == f"transfer xfer-1 attempt 2 ended {tr_pb.TransferState.Name(state).removeprefix('TRANSFER_STATE_')} with {name}: what happened"
+
+
+@pytest.mark.parametrize(
+    ("timeline", "side"),
+    [
+        ((tr_pb.TIMELINE_ENTRY_KIND_REGISTERED,), "prefill"),  # P never reported
+        ((tr_pb.TIMELINE_ENTRY_KIND_PREFILL_DONE,), "decode"),  # D never registered
+        ((tr_pb.TIMELINE_ENTRY_KIND_REGISTERED, tr_pb.TIMELINE_ENTRY_KIND_PREFILL_DONE), "prefill"),  # the write was too slow
+    ],
+)
+def test_a_deadline_blames_the_side_that_kept_the_transfer_waiting(timeline, side):
+    verdict = explain(transfer(tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_REGISTRATION_DEADLINE_EXCEEDED, timeline=timeline))
+    assert (verdict.status, verdict.retry_side) == (504, side)
+
+
+def test_the_routers_own_deadline_blames_by_what_the_broker_saw():
+    assert deadline_side(None, prefill_finished=False) == "prefill"
+    assert deadline_side(None, prefill_finished=True) == "decode"
+    assert deadline_side(transfer(tr_pb.TRANSFER_STATE_WAITING_FOR_REGISTRATION, timeline=(tr_pb.TIMELINE_ENTRY_KIND_PREFILL_DONE,)), True) == "decode"
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"client_request_id": "someone-else"}, "it belongs to request 'someone-else', not 'req-1'"),
+        ({"prefill": "prefill-9"}, "it names prefill engine 'prefill-9', not 'prefill-0'"),
+        ({"decode": "decode-9"}, "it names decode engine 'decode-9', not 'decode-0'"),
+    ],
+)
+def test_another_requests_record_is_a_conflict_whatever_its_state(fields, why):
+    for state, reason in ((tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL, 0), (tr_pb.TRANSFER_STATE_DONE, tr_pb.END_REASON_COMPLETED)):
+        verdict = explain(transfer(state, reason, **fields))
+        assert (verdict.status, verdict.reason, verdict.retry_side) == (409, "TRANSFER_CONFLICT", None)
+        assert why in verdict.message and "another router uses the same transfer id" in verdict.message
+
+
+def test_empty_fields_of_a_record_are_no_conflict():
+    record = transfer(tr_pb.TRANSFER_STATE_CANCELLED, tr_pb.END_REASON_CANCELLED_BY_ROUTER, client_request_id="", prefill="", decode="", timeline=())
+    assert explain(record).reason == "CANCELLED_BY_ROUTER"
+
+
 def parse_config(*argv: str) -> RouterConfig:
     parser = argparse.ArgumentParser()
     RouterConfig.add_arguments(parser)
@@ -131,6 +265,9 @@ def test_config_from_flags():
     assert [e.engine_id for e in config.prefill] == ["prefill-0", "prefill-1"]
     assert config.decode == (Endpoint("http://10.0.0.3:8200", "decode-0"),)
     assert (config.policy, config.mode, config.host, config.port, config.resolve_token()) == ("least_loaded", "push", "0.0.0.0", 9000, "s3cret")
+    assert (config.transfer_deadline_slack_s, config.early_poll_delay_s) == (0.5, 0.25)
+    tuned = parse_config("--prefill", "http://p:1=p", "--decode", "http://d:1=d", "--mode", "pull", "--transfer-deadline-slack", "1.5", "--early-poll-delay", "0")
+    assert (tuned.transfer_deadline_slack_s, tuned.early_poll_delay_s) == (1.5, 0.0)
 
 
 def test_config_from_environment(monkeypatch, tmp_path):
@@ -154,6 +291,8 @@ def test_config_from_environment(monkeypatch, tmp_path):
         (["--prefill", "http://p:1=p", "--decode", "http://d:1=d", "--mode", "pull", "--policy", "random"], "--policy"),
         (["--prefill", "http://p:1=p", "--decode", "http://d:1=d", "--mode", "teleport"], "--mode"),
         (["--prefill", "http://p:1=p", "--decode", "http://d:1=d", "--mode", "pull", "--prefill-timeout", "0"], "timeout"),
+        (["--prefill", "http://p:1=p", "--decode", "http://d:1=d", "--mode", "pull", "--transfer-deadline-slack", "-1"], "--transfer-deadline-slack"),
+        (["--prefill", "http://p:1=p", "--decode", "http://d:1=d", "--mode", "pull", "--early-poll-delay", "-0.1"], "--early-poll-delay"),
     ],
 )
 def test_config_errors_name_the_setting(argv, message, monkeypatch):

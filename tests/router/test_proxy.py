@@ -27,6 +27,7 @@ from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services import control_plane
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.tokens import ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import Endpoint
@@ -43,7 +44,7 @@ INCOMING_TRACEPARENT = f"00-{INCOMING_TRACE_ID}-00f067aa0ba902b7-01"
 @pytest.fixture
 async def plane():
     """A real control plane (registrar + broker) on 127.0.0.1:0."""
-    started = await control_plane.start(ServerConfig(listen="127.0.0.1:0"), RegistrarConfig(), BrokerConfig(), token=TOKEN)
+    started = await control_plane.start(ServerConfig(listen="127.0.0.1:0"), RegistrarConfig(), BrokerConfig(), tokens=IdentityTokens({ROUTER_IDENTITY: TOKEN}))
     try:
         yield started
     finally:
@@ -292,6 +293,45 @@ async def test_client_going_away_mid_stream_aborts_the_decode_leg(plane, spans):
         await stop(prefill, decode)
     assert first.startswith(b"data: {")
     assert decode.disconnected == 1, "the decode engine's request was aborted"
+    d_span = next(s for s in exporter.get_finished_spans() if s.name == "router.decode_leg")
+    assert d_span.status.description == "client went away"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_client_going_away_before_any_output_cancels_the_attempt_and_closes_both_legs(plane, spans, stream):
+    provider, exporter = spans
+    prefill, decode = await started(FakeEngine("prefill", "prefill-0", "hang"), FakeEngine("decode", "decode-0", "hang"))
+    try:
+        async with RouterUnderTest(make_config(plane, [prefill], [decode]), provider) as router:
+            request = asyncio.create_task(router.post("/v1/completions", {**BODY, "stream": stream}))
+            for _ in range(50):
+                if prefill.received and decode.received:
+                    break
+                await asyncio.sleep(0.02)
+            t0 = time.monotonic()
+            request.cancel()  # the client hangs up while both legs are in flight
+            await asyncio.gather(request, return_exceptions=True)
+            for _ in range(50):
+                if prefill.disconnected and decode.disconnected:
+                    break
+                await asyncio.sleep(0.02)
+            noticed = time.monotonic() - t0
+            for _ in range(50):  # the handler counts the request once the broker answered the cancel
+                metrics = (await (await router.client.get(router.url + "/metrics")).read()).decode()
+                if 'reason="CLIENT_GONE"} 1.0' in metrics:
+                    break
+                await asyncio.sleep(0.02)
+    finally:
+        await stop(prefill, decode)
+    assert (prefill.disconnected, decode.disconnected) == (1, 1), "both legs were closed"
+    assert noticed < 1.0, "well before any timeout (5 s)"
+    transfer_id = decode.received[0].body["kv_transfer_params"]["kvpush"]["transfer_id"]
+    async with BrokerClient(ClientConfig(target=f"127.0.0.1:{plane.port}", token=TOKEN)) as broker:
+        transfer = (await broker.get_transfer(rv_pb.GetTransferRequest(transfer_id=transfer_id, attempt=1))).transfer
+    assert (transfer.state, transfer.end_reason, transfer.detail) == (
+        transfer_pb2.TRANSFER_STATE_CANCELLED, transfer_pb2.END_REASON_CANCELLED_BY_ROUTER, "client went away"
+    )
+    assert 'kvpush_router_failed_requests_total{reason="CLIENT_GONE"} 1.0' in metrics
     d_span = next(s for s in exporter.get_finished_spans() if s.name == "router.decode_leg")
     assert d_span.status.description == "client went away"
 

@@ -55,7 +55,7 @@ LOGPROB_TOLERANCE = 1e-3
 ROUTER_START_TIMEOUT_S = 30.0
 # What the failure tests allow: the router's own bound plus process and HTTP slack.
 ROUTER_PREFILL_TIMEOUT_S = 10.0
-ENGINE_EXTRA = {"free_margin_s": 1.0, "transfer_timeout_s": 20.0}
+ENGINE_EXTRA = {"hold_margin_s": 1.5, "transfer_timeout_s": 20.0}
 ROOT = Path(__file__).resolve().parents[2]
 
 

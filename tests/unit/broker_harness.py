@@ -6,10 +6,10 @@ from __future__ import annotations
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.broker.core import BrokerCore, Subscription
+from kvpush.services.broker.core import Actor, BrokerCore, Subscription
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock
-from kvpush.services.common.engine_tokens import EngineTokens, generate_key
+from kvpush.services.common import validation
+from kvpush.services.common.clock import ManualClock, timestamp
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 
@@ -30,10 +30,16 @@ class Harness:
         config: BrokerConfig | None = None,
         tracer_provider=None,
         subscribe: bool = True,
+        past_grace: bool = True,
     ):
         self.clock = ManualClock()
-        self.registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=30.0), self.clock, EngineTokens(generate_key()))
-        self.broker = BrokerCore(self.registrar, config or BrokerConfig(retention_s=60.0), self.clock, tracer_provider=tracer_provider)
+        self.registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=30.0), self.clock)
+        self.config = config or BrokerConfig(retention_s=60.0)
+        self.broker = BrokerCore(self.registrar, self.config, self.clock, tracer_provider=tracer_provider)
+        if past_grace:
+            # A new broker fences nothing during its startup grace (a predecessor's orders may live);
+            # most tests are about a broker that has been up for a while.
+            self.clock.advance(self.config.startup_grace_s)
         self.leases: dict[str, list[str]] = {}
         self.p_tp, self.d_tp = p_tp, d_tp
         for engine_id, role, tp in ((P, sample.PREFILL, p_tp), (D, sample.DECODE, d_tp)):
@@ -51,17 +57,48 @@ class Harness:
         self.producers[tp] = self.broker.subscribe_producer(request, P)
         return self.producers[tp]
 
+    def subscribe_decode(self) -> Subscription:
+        self.decode = self.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1"), D)
+        return self.decode
+
+    def unsubscribe_producer(self, tp: int) -> None:
+        """Producer rank tp's stream ends (the servicer's finally)."""
+        self.broker.unsubscribe(self.producers[tp])
+
     # ----- calls -----
 
+    def destination(
+        self, transfer_id: str = "t1", attempt: int = 1, *, deadline_in: float | None = None, hold_margin: float | None = None, **kwargs
+    ) -> rv_pb.RegisterDestinationRequest:
+        """A registration; deadline_in sets request.deadline that many seconds after the (shared) wall clock's now."""
+        request = sample.destination_request(transfer_id, attempt, **kwargs)
+        if deadline_in is not None:
+            request.deadline.CopyFrom(timestamp(self.clock.wall() + deadline_in))
+        if hold_margin is not None:
+            request.hold_margin.CopyFrom(validation.duration(hold_margin))
+        return request
+
     def register(self, transfer_id: str = "t1", attempt: int = 1, **kwargs) -> rv_pb.RegisterDestinationResponse:
-        return self.broker.register_destination(sample.destination_request(transfer_id, attempt, **kwargs), D)
+        return self.broker.register_destination(self.destination(transfer_id, attempt, **kwargs), D)
 
     def prefill_done(self, transfer_id: str = "t1", attempt: int = 1, **kwargs) -> rv_pb.ReportPrefillDoneResponse:
         return self.broker.report_prefill_done(sample.prefill_done_request(transfer_id, attempt, **kwargs), P)
 
-    def write(self, transfer_id: str = "t1", attempt: int = 1, tp: int = 0, outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN) -> int:
+    def write(self, transfer_id: str = "t1", attempt: int = 1, tp: int = 0, outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN, reason: int = 0) -> int:
         request = sample.write_result_request(transfer_id, attempt, tp_rank=tp, outcome=outcome)
+        request.reason = reason
         return self.broker.report_write_result(request, P).state
+
+    def cancel(self, transfer_id: str = "t1", attempt: int = 1, actor: Actor = Actor.ROUTER, caller: str = "", detail: str = "") -> rv_pb.CancelTransferResponse:
+        return self.broker.cancel(tr_pb.TransferKey(transfer_id=transfer_id, attempt=attempt), actor, detail, caller)
+
+    def fenced(self, transfer_id: str = "t1", attempt: int = 1) -> bool:
+        return self.broker.get_transfer(transfer_id, attempt).fenced
+
+    def advance(self, seconds: float) -> float | None:
+        """Moves the clock and runs the broker's tick (as its event loop would); returns tick()'s answer."""
+        self.clock.advance(seconds)
+        return self.broker.tick()
 
     def state(self, transfer_id: str = "t1", attempt: int = 1) -> int:
         return self.broker.get_transfer(transfer_id, attempt).state

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""RegistrarCore: validation with exact reasons and fields, leases, incarnations, watches, tokens."""
+"""RegistrarCore: validation with exact reasons and fields, leases, incarnations, watches, caps."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import ManualClock
-from kvpush.services.common.engine_tokens import EngineTokens, generate_key
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore, RemovalReason
 
@@ -25,7 +24,7 @@ def clock() -> ManualClock:
 
 @pytest.fixture
 def registrar(clock: ManualClock) -> RegistrarCore:
-    return RegistrarCore(RegistrarConfig(default_lease_ttl_s=10.0, min_lease_ttl_s=2.0, max_lease_ttl_s=30.0, watch_queue_capacity=8), clock, EngineTokens(generate_key()))
+    return RegistrarCore(RegistrarConfig(default_lease_ttl_s=10.0, min_lease_ttl_s=2.0, max_lease_ttl_s=30.0, watch_queue_capacity=8), clock)
 
 
 @pytest.fixture
@@ -162,7 +161,6 @@ def test_engine_is_partial_until_every_rank_registered(registrar: RegistrarCore)
     assert engine.state == reg_pb.ENGINE_STATE_READY
     assert [r.rank.tp_rank for r in engine.ranks] == [0, 1]
     assert first.lease_id != second.lease_id
-    assert first.engine_token == second.engine_token
     assert events(watch) == [
         (UPSERTED, "decode-0", reg_pb.ENGINE_STATE_PARTIAL, ""),
         (UPSERTED, "decode-0", reg_pb.ENGINE_STATE_READY, ""),
@@ -175,7 +173,7 @@ def test_reregistering_the_same_rank_is_idempotent(registrar: RegistrarCore, clo
     snapshot = registrar.get_engine("prefill-0")
     clock.advance(5)
     again = registrar.register(request)
-    assert (again.lease_id, again.engine_token) == (first.lease_id, first.engine_token)
+    assert again.lease_id == first.lease_id and not again.engine_token
     assert again.expire_time.ToNanoseconds() - first.expire_time.ToNanoseconds() == 5_000_000_000
     assert registrar.get_engine("prefill-0") is snapshot  # nothing changed, so no new snapshot
 
@@ -209,15 +207,13 @@ def test_a_new_incarnation_replaces_every_rank_of_the_old(registrar: RegistrarCo
     old = [registrar.register(r) for r in sample.engine_requests("decode-0", sample.DECODE, tp_size=2)]
     watch = registrar.watch()
     events(watch)
-    new = registrar.register(sample.rank_request("decode-0", sample.DECODE, incarnation="inc-2", tp_size=2))
+    registrar.register(sample.rank_request("decode-0", sample.DECODE, incarnation="inc-2", tp_size=2))
     assert events(watch) == [
         (REMOVED, "decode-0", reg_pb.ENGINE_STATE_GONE, RemovalReason.REPLACED),
         (UPSERTED, "decode-0", reg_pb.ENGINE_STATE_PARTIAL, ""),
     ]
     assert removals == [("decode-0", "inc-1", RemovalReason.REPLACED)]
     assert list(registrar.keep_alive([old[0].lease_id, old[1].lease_id]).unknown_lease_ids) == [old[0].lease_id, old[1].lease_id]
-    assert not registrar.check_engine_token("decode-0", old[0].engine_token)
-    assert registrar.check_engine_token("decode-0", new.engine_token)
     assert registrar.get_engine("decode-0").incarnation == "inc-2"
 
 
@@ -326,11 +322,32 @@ def test_a_watch_that_falls_a_queue_behind_is_closed(registrar: RegistrarCore):
     assert registrar.watch_count == 0
 
 
-def test_engine_tokens_bind_to_one_engine(registrar: RegistrarCore):
-    token = registrar.register(sample.rank_request("prefill-0", sample.PREFILL)).engine_token
-    other = registrar.register(sample.rank_request("decode-0", sample.DECODE)).engine_token
-    assert registrar.check_engine_token("prefill-0", token)
-    assert not registrar.check_engine_token("prefill-0", other)
-    assert not registrar.check_engine_token("prefill-0", token + "x")
-    assert not registrar.check_engine_token("decode-9", token)
-    assert not EngineTokens(generate_key()).check("prefill-0", "inc-1", token)
+def test_a_new_engine_past_max_engines_is_refused(clock: ManualClock):
+    registrar = RegistrarCore(RegistrarConfig(max_engines=2), clock)
+    registrar.register(sample.rank_request("prefill-0", sample.PREFILL))
+    registrar.register(sample.rank_request("decode-0", sample.DECODE, tp_size=2))
+    expect(errors.ResourceExhausted, Reason.TOO_MANY_ENGINES, "rank.engine_id", registrar.register, sample.rank_request("decode-1", sample.DECODE))
+    # Engines already registered add ranks and replace their incarnation.
+    registrar.register(sample.rank_request("decode-0", sample.DECODE, tp_rank=1, tp_size=2))
+    lease = registrar.register(sample.rank_request("prefill-0", sample.PREFILL, incarnation="inc-2")).lease_id
+    registrar.deregister(lease)
+    registrar.register(sample.rank_request("decode-1", sample.DECODE))
+    assert registrar.engine_count == 2
+
+
+def test_watches_past_the_cap_of_one_watcher_are_refused(clock: ManualClock):
+    registrar = RegistrarCore(RegistrarConfig(max_watches_per_identity=2, watch_queue_capacity=1), clock)
+    first, second = registrar.watch(0, "router"), registrar.watch(sample.DECODE, "router")
+    expect(errors.ResourceExhausted, Reason.TOO_MANY_WATCHES, "", registrar.watch, 0, "router")
+    registrar.watch(0, "prefill-0")  # another watcher's cap
+    registrar.unwatch(first)
+    third = registrar.watch(0, "router")
+    # A watch closed for falling behind counts until it is unwatched, and only once.
+    registrar.register(sample.rank_request("decode-0", sample.DECODE))
+    registrar.register(sample.rank_request("decode-1", sample.DECODE))
+    assert second.outbox.closed and third.outbox.closed
+    expect(errors.ResourceExhausted, Reason.TOO_MANY_WATCHES, "", registrar.watch, 0, "router")
+    for subscription in (second, second, third):
+        registrar.unwatch(subscription)
+    registrar.watch(0, "router")
+    registrar.watch(0, "router")

@@ -43,21 +43,19 @@ def test_a_malformed_environment_value_is_reported(monkeypatch):
         lambda: RegistrarConfig(default_lease_ttl_s=100.0, max_lease_ttl_s=60.0),
         lambda: BrokerConfig(max_timeout_s=0),
         lambda: ServerConfig(tls_cert=pathlib.Path("cert.pem")),
+        lambda: RegistrarConfig(max_engines=0),
+        lambda: RegistrarConfig(max_watches_per_identity=0),
     ],
-    ids=["lease bounds", "timeout bound", "partial TLS"],
+    ids=["lease bounds", "timeout bound", "partial TLS", "no engines", "no watches"],
 )
 def test_inconsistent_settings_are_refused(build):
     with pytest.raises(ValueError):
         build()
 
 
-def test_a_missing_token_is_generated_once_and_kept_private(tmp_path):
-    config = ServerConfig(token_file=tmp_path / "token", engine_token_key_file=tmp_path / "key")
-    token = config.resolve_token()
-    assert config.resolve_token() == token
-    assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600
-    key = config.resolve_engine_token_key(create=True)
-    assert config.resolve_engine_token_key(create=False) == key
-    assert ServerConfig(token="given", token_file=tmp_path / "token").resolve_token() == "given"
-    with pytest.raises(ValueError):
-        ServerConfig(engine_token_key_file=tmp_path / "absent").resolve_engine_token_key(create=False)
+def test_credentials_and_caps_come_from_flags_or_the_environment(monkeypatch, tmp_path):
+    args = parse(monkeypatch, {"KVPUSH_TOKENS_DIR": str(tmp_path), "KVPUSH_MAX_ENGINES": "8"}, ["--max-watches-per-identity", "3"])
+    server, registrar = ServerConfig.from_args(args), RegistrarConfig.from_args(args)
+    assert server.tokens_dir == tmp_path and not server.mtls
+    assert (registrar.max_engines, registrar.max_watches_per_identity) == (8, 3)
+    assert (RegistrarConfig().max_engines, RegistrarConfig().max_watches_per_identity) == (4096, 64)

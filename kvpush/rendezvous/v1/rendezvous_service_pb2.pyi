@@ -68,7 +68,7 @@ class ReportPrefillDoneResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., first_arrival: _Optional[_Union[_transfer_pb2.TransferSide, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ReportWriteResultRequest(_message.Message):
-    __slots__ = ("key", "engine_id", "tp_rank", "pp_rank", "outcome", "bytes_written", "descriptor_count", "post_time", "transfer_duration", "error_message")
+    __slots__ = ("key", "engine_id", "tp_rank", "pp_rank", "outcome", "bytes_written", "descriptor_count", "post_time", "transfer_duration", "error_message", "reason")
     KEY_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class ReportWriteResultRequest(_message.Message):
     POST_TIME_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_DURATION_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     key: _transfer_pb2.TransferKey
     engine_id: str
     tp_rank: int
@@ -89,7 +90,8 @@ class ReportWriteResultRequest(_message.Message):
     post_time: _timestamp_pb2.Timestamp
     transfer_duration: _duration_pb2.Duration
     error_message: str
-    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., outcome: _Optional[_Union[_transfer_pb2.WriteOutcome, str]] = ..., bytes_written: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., post_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+    reason: _transfer_pb2.EndReason
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., engine_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., outcome: _Optional[_Union[_transfer_pb2.WriteOutcome, str]] = ..., bytes_written: _Optional[int] = ..., descriptor_count: _Optional[int] = ..., post_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., transfer_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., error_message: _Optional[str] = ..., reason: _Optional[_Union[_transfer_pb2.EndReason, str]] = ...) -> None: ...
 
 class ReportWriteResultResponse(_message.Message):
     __slots__ = ("state",)

@@ -44,6 +44,7 @@ class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_REASON_DECODE_ENGINE_LOST: _ClassVar[EndReason]
     END_REASON_WRITE_FAILED: _ClassVar[EndReason]
     END_REASON_TOKEN_COUNT_MISMATCH: _ClassVar[EndReason]
+    END_REASON_REGISTRATION_REFUSED: _ClassVar[EndReason]
 
 class WriteOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -93,6 +94,7 @@ END_REASON_PREFILL_ENGINE_LOST: EndReason
 END_REASON_DECODE_ENGINE_LOST: EndReason
 END_REASON_WRITE_FAILED: EndReason
 END_REASON_TOKEN_COUNT_MISMATCH: EndReason
+END_REASON_REGISTRATION_REFUSED: EndReason
 WRITE_OUTCOME_UNSPECIFIED: WriteOutcome
 WRITE_OUTCOME_WRITTEN: WriteOutcome
 WRITE_OUTCOME_FAILED: WriteOutcome

@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Simulated NIXL: decode-side KV blocks with owners, and WRITEs that land (or not) with their notification.
+
+The transport model is the timing assumption kvpush states (docs/design.md):
+a posted WRITE lands within its write timeout or never (a stuck one fails
+at the transport's own timeout), and releasing its handle before it landed
+stops it. Landing bytes on a block that is not owned by the request the
+WRITE was ordered for is the safety violation the simulation hunts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.sim.checks import Violations
+from kvpush.sim.world import Process
+
+
+@dataclass
+class BlockOwner:
+    req_id: str
+    key: tuple[str, int]
+
+
+@dataclass
+class DecodeMemory:
+    """One decode engine incarnation's KV blocks: who owns each, and which WRITEs landed for each request."""
+
+    engine: str
+    num_blocks: int
+    violations: Violations
+    owners: dict[int, BlockOwner] = field(default_factory=dict)
+    landed: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # req_id -> producer rank -> (first_token, num_tokens)
+    alive: bool = True
+
+    def allocate(self, req_id: str, key: tuple[str, int], count: int) -> list[int] | None:
+        free = [b for b in range(self.num_blocks) if b not in self.owners]
+        if len(free) < count:
+            return None
+        blocks = free[:count]
+        for b in blocks:
+            self.owners[b] = BlockOwner(req_id, key)
+        self.landed[req_id] = {}
+        return blocks
+
+    def free(self, req_id: str) -> None:
+        for b in [b for b, o in self.owners.items() if o.req_id == req_id]:
+            del self.owners[b]
+        self.landed.pop(req_id, None)
+
+    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: int, tokens: tuple[int, int], what: str) -> str | None:
+        """Bytes of a WRITE for key land in blocks; returns the owning request, or records a violation."""
+        if not self.alive:
+            return None  # the process died: its memory is gone
+        owners = {self.owners.get(b) and self.owners[b].req_id for b in blocks}
+        owner = self.owners.get(blocks[0]) if blocks else None
+        if owner is None or len(owners) != 1 or any(self.owners.get(b) is None or self.owners[b].key != key for b in blocks):
+            held = sorted({(o.req_id, o.key) for b in blocks if (o := self.owners.get(b)) is not None})
+            self.violations.add("write-after-free", f"{what} for {key} landed on {self.engine} blocks {list(blocks)} now held by {held or 'nobody'}")
+            return None
+        self.landed[owner.req_id][producer] = tokens
+        return owner.req_id
+
+
+class SimWrite:
+    __slots__ = ("key", "dest", "blocks", "producer", "tokens", "notif", "land_at", "state", "sender")
+
+    def __init__(self, key, dest, blocks, producer, tokens, notif, sender):
+        self.key, self.dest, self.blocks, self.producer, self.tokens, self.notif, self.sender = key, dest, blocks, producer, tokens, notif, sender
+        self.land_at = 0.0
+        self.state = "PROC"
+
+
+class SimPlan:
+    """A WritePlan's plan as the simulated transport takes it: the destination blocks instead of byte segments."""
+
+    def __init__(self, blocks: tuple[int, ...], tokens: tuple[int, int]):
+        self.src = None
+        self.dst = blocks
+        self.lengths = tokens
+        self.total_bytes = len(blocks)
+
+    def __len__(self) -> int:
+        return len(self.dst)
+
+
+class Fabric:
+    """Every live decode agent by name; WRITEs find their destination here."""
+
+    def __init__(self):
+        self.agents: dict[str, DecodeAgent] = {}
+
+
+class DecodeAgent:
+    """A decode rank's NIXL agent: its memory and the notifications waiting for its consumer."""
+
+    def __init__(self, name: str, memory: DecodeMemory):
+        self.name = name
+        self.memory = memory
+        self.inbox: dict[str, list[bytes]] = {}
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        inbox, self.inbox = self.inbox, {}
+        return inbox
+
+
+class ProducerTransport:
+    """A prefill rank's agent (the Transport protocol of kvpush.connector.producer)."""
+
+    def __init__(self, process: Process, fabric: Fabric, name: str, write_time: tuple[float, float], stuck: float, violations: Violations):
+        self.process = process
+        self.fabric = fabric
+        self.name = name
+        self.write_time = write_time
+        self.stuck = stuck
+        self.violations = violations
+        self.peers: set[str] = set()
+        self.in_flight: dict[int, SimWrite] = {}
+        self._next = 0
+        self.posted_keys: set[tuple[tuple[str, int], str]] = set()
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = metadata.decode()
+        self.peers.add(name)
+        return name
+
+    def remove_peer(self, name: str) -> None:
+        if any(w.dest == name and w.state == "PROC" for w in self.in_flight.values()):
+            self.violations.add("agent-unloaded-in-flight", f"{self.name} unloaded agent {name} with WRITEs to it in flight")
+        self.peers.discard(name)
+
+    def warm_up(self, peer: str) -> None:
+        pass
+
+    def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite:
+        parts = notif.decode().split("|")
+        key = (parts[1], int(parts[2]))
+        producer = int(parts[3])
+        if (key, peer) in self.posted_keys:
+            self.violations.add("double-write", f"{self.name} posted a second WRITE for {key} to {peer}")
+        self.posted_keys.add((key, peer))
+        write = SimWrite(key, peer, tuple(dst), producer, tuple(lengths), notif, self.name)
+        world = self.process.world
+        self._next += 1
+        handle = self._next
+        self.in_flight[handle] = write
+        if world.rng.random() >= self.stuck:
+            write.land_at = world.time + world.rng.uniform(*self.write_time)
+            world.at(write.land_at, self._land, write)
+        return PostedWrite(handle, peer, len(write.blocks), 1)
+
+    def _land(self, write: SimWrite) -> None:
+        if write.state != "PROC":
+            return  # released (aborted) before it landed
+        write.state = "DONE"
+        agent = self.fabric.agents.get(write.dest)
+        if agent is None:
+            write.state = "ERR"
+            return
+        if agent.memory.land(write.key, write.blocks, write.producer, write.tokens, f"{self.name}'s WRITE") is not None:
+            world = self.process.world
+            world.at(world.time + world.rng.uniform(0.0001, 0.002), self._notify, agent, write)
+
+    def _notify(self, agent: DecodeAgent, write: SimWrite) -> None:
+        if self.fabric.agents.get(write.dest) is agent:
+            agent.inbox.setdefault(self.name, []).append(write.notif)
+
+    def poll(self, write: PostedWrite) -> str:
+        sim = self.in_flight[write.handle]
+        if sim.state == "PROC" and sim.dest not in self.fabric.agents:
+            sim.state = "ERR"  # the peer went away: the transport fails the transfer
+        return sim.state
+
+    def release(self, write: PostedWrite) -> None:
+        sim = self.in_flight.pop(write.handle, None)
+        if sim is not None and sim.state == "PROC":
+            sim.state = "RELEASED"
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        return {}

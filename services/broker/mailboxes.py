@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where the broker's messages to producer ranks and decode engines wait for their stream.
+
+Each stream is a Subscription with its own bounded Outbox. Nothing is queued
+for a subscriber that is not connected and nothing is ever dropped from a
+connected one: an outbox that overflows closes, its stream ends, and the
+subscriber's next stream starts with a resync — the core regenerates every
+order, revocation and closure that is still owed (see BrokerCore.subscribe_*).
+A lost message therefore costs a reconnect, never a fencing answer.
+
+A producer mailbox also tracks when its rank last had a stream: orders reach
+a rank only on a stream, and a rank acts on them only while that stream's
+lease holds (stream_lease past the last message), so once no stream has been
+attached for stream_lease, nothing the broker sent can still be acted on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.services.broker.attempts import RankKey
+from kvpush.services.common.outbox import Outbox
+
+DecodeKey = tuple[str, str]  # (engine_id, incarnation)
+
+
+class Subscription:
+    """One stream's claim on a mailbox; a newer subscription for the same key replaces it."""
+
+    __slots__ = ("mailbox", "outbox")
+
+    def __init__(self, mailbox: ProducerMailbox | DecodeMailbox, capacity: int):
+        self.mailbox = mailbox
+        self.outbox: Outbox = Outbox(capacity)
+
+    @property
+    def active(self) -> bool:
+        """False once replaced by a newer subscription or closed (overflow, engine gone, broker stopping)."""
+        return self.mailbox.subscriber is self and not self.outbox.closed
+
+
+class _Mailbox:
+    __slots__ = ("subscriber", "quiet_since", "closed")
+
+    def __init__(self, now: float):
+        self.subscriber: Subscription | None = None
+        self.quiet_since = now  # when the last stream ended (creation time before the first)
+        self.closed = False  # the engine (rank) left; no stream may attach any more
+
+    def put(self, message) -> None:
+        """Queues message on the connected stream, if any (a resync regenerates what a later stream needs)."""
+        subscriber = self.subscriber
+        if subscriber is not None:
+            subscriber.outbox.put(message)
+
+    def claim(self, capacity: int) -> Subscription:
+        subscription = Subscription(self, capacity)  # type: ignore[arg-type]
+        previous = self.subscriber
+        self.subscriber = subscription
+        if previous is not None:
+            previous.outbox.close()  # the replaced stream wakes, sees it is no longer active and ends
+        return subscription
+
+    def release(self, subscription: Subscription, now: float) -> bool:
+        """The stream of subscription ended; True when it was the current one."""
+        if self.subscriber is not subscription:
+            return False
+        self.subscriber = None
+        self.quiet_since = now
+        return True
+
+    def close(self, now: float) -> None:
+        self.closed = True
+        if self.subscriber is not None:
+            self.subscriber.outbox.close()
+            self.subscriber = None
+            self.quiet_since = now
+
+
+class ProducerMailbox(_Mailbox):
+    """One producer rank's stream state."""
+
+    __slots__ = ("key", "early_orders")
+
+    def __init__(self, key: RankKey, now: float):
+        super().__init__(now)
+        self.key = key
+        self.early_orders = False
+
+    def lease_bound(self, stream_lease: float) -> float:
+        """The broker time after which the rank acts on nothing it was sent (inf while a stream is attached)."""
+        return float("inf") if self.subscriber is not None else self.quiet_since + stream_lease
+
+    def release(self, subscription: Subscription, now: float) -> bool:
+        if super().release(subscription, now):
+            self.early_orders = False
+            return True
+        return False
+
+
+class DecodeMailbox(_Mailbox):
+    """One decode engine incarnation's stream state, with its recent final events for a resync."""
+
+    __slots__ = ("key", "recent")
+
+    def __init__(self, key: DecodeKey, now: float, recent_capacity: int):
+        super().__init__(now)
+        self.key = key
+        # Final events (COMPLETED/ENDED) already sent: a new stream gets them
+        # again, since the old one may have lost them in flight.
+        self.recent: deque[rv_pb.StreamTransferEventsResponse] = deque(maxlen=recent_capacity)
+
+    def put_final(self, message: rv_pb.StreamTransferEventsResponse) -> None:
+        self.recent.append(message)
+        self.put(message)

@@ -1,0 +1,179 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which engines may take part in a transfer and which producer rank writes to which decode ranks.
+
+Everything here is derived from the registrar's engine snapshots and cached
+by the snapshot's identity (a new snapshot object after every change), so
+the per-request cost is a dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvpush.engine.v1 import engine_pb2
+from kvpush.errors import FailedPrecondition, InvalidArgument, NotFound, Reason
+from kvpush.layout import heads
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.services.broker.attempts import RankKey
+from kvpush.services.common import validation
+
+PREFILL = engine_pb2.ENGINE_ROLE_PREFILL
+DECODE = engine_pb2.ENGINE_ROLE_DECODE
+_READY = reg_pb.ENGINE_STATE_READY
+
+
+class EngineDirectory(Protocol):
+    """Where the broker looks engines up: the RegistrarCore in process, or a RemoteEngineDirectory."""
+
+    def get_engine(self, engine_id: str) -> reg_pb.Engine | None:
+        """The engine's current snapshot (shared, never mutated; a new object after each change), or None."""
+
+    def add_removal_listener(self, listener: Callable[[str, str, str], None]) -> None:
+        """listener(engine_id, incarnation, reason) is called whenever ranks of an engine incarnation leave."""
+
+
+class Plan:
+    """Which producer rank writes to which decode ranks, for one (prefill, decode) incarnation pair."""
+
+    __slots__ = ("decode_engine", "orders", "expected")
+
+    def __init__(self, decode_engine: reg_pb.Engine, orders: tuple[tuple[RankKey, tuple[int, ...]], ...], expected: tuple[int, ...]):
+        self.decode_engine = decode_engine
+        self.orders = orders  # producer ranks with at least one consumer, and their consumers
+        self.expected = expected  # notifications per decode tp rank
+
+
+class EngineInfo:
+    """What the broker derives from one engine snapshot."""
+
+    __slots__ = ("engine", "groups", "rank_keys", "positions", "rank_heads", "plans")
+
+    def __init__(self, engine: reg_pb.Engine):
+        self.engine = engine
+        groups: dict[int, tuple[int, int]] = {}
+        for registered in engine.ranks:
+            for group in registered.layout.groups:
+                known = groups.get(group.group_index)
+                # Ranks of one engine share block tables; the smallest pool is the safe bound.
+                groups[group.group_index] = (group.block_size, group.num_blocks if known is None else min(known[1], group.num_blocks))
+        self.groups = groups
+        self.rank_keys: tuple[RankKey, ...] = tuple((engine.engine_id, engine.incarnation, r.rank.tp_rank, r.rank.pp_rank) for r in engine.ranks)
+        self.positions = frozenset((r.rank.tp_rank, r.rank.pp_rank) for r in engine.ranks)
+        self.rank_heads = [heads.RankHeads(r.rank.tp_rank, r.layout.first_head, r.layout.num_local_heads) for r in engine.ranks]
+        self.plans: dict[str, Plan] = {}  # by decode engine id, for a prefill engine
+
+
+def invalid(message: str, field: str) -> InvalidArgument:
+    return InvalidArgument(message, reason=Reason.FIELD_INVALID, field=field)
+
+
+class Planner:
+    """Engine checks and routing plans over an EngineDirectory."""
+
+    def __init__(self, directory: EngineDirectory):
+        self._directory = directory
+        self._infos: dict[str, EngineInfo] = {}
+
+    def info(self, engine: reg_pb.Engine) -> EngineInfo:
+        info = self._infos.get(engine.engine_id)
+        if info is None or info.engine is not engine:
+            info = self._infos[engine.engine_id] = EngineInfo(engine)
+        return info
+
+    def forget(self, engine_id: str) -> None:
+        """Drops what was derived from an engine that left (and plans towards it)."""
+        if self._directory.get_engine(engine_id) is None:
+            self._infos.pop(engine_id, None)
+        for info in self._infos.values():
+            info.plans.pop(engine_id, None)
+
+    @property
+    def cached_engines(self) -> int:
+        return len(self._infos)
+
+    def engine(self, engine_id: str, role: int, field: str, *, incarnation: str | None = None, incarnation_field: str = "", ready: bool = True) -> EngineInfo:
+        """The engine's info; it must exist, have role, (if given) be that incarnation and (if ready) be READY."""
+        engine = self._directory.get_engine(engine_id)
+        if engine is None:
+            validation.check_id(engine_id, field)
+            raise NotFound(f"engine {engine_id!r} is not registered", reason=Reason.ENGINE_NOT_FOUND, field=field)
+        if engine.role != role:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} is a {engine_pb2.EngineRole.Name(engine.role)} engine", reason=Reason.ENGINE_ROLE_MISMATCH, field=field
+            )
+        if incarnation is not None and engine.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} is now incarnation {engine.incarnation!r}", reason=Reason.INCARNATION_MISMATCH, field=incarnation_field
+            )
+        if ready and engine.state != _READY:
+            raise FailedPrecondition(f"engine {engine_id!r} is not READY", reason=Reason.ENGINE_NOT_READY, field=field)
+        return self.info(engine)
+
+    def rank_lost(self, rank_key: RankKey) -> bool:
+        engine = self._directory.get_engine(rank_key[0])
+        if engine is None or engine.incarnation != rank_key[1]:
+            return True
+        return (rank_key[2], rank_key[3]) not in self.info(engine).positions
+
+    def engine_lost(self, engine_id: str, incarnation: str) -> bool:
+        engine = self._directory.get_engine(engine_id)
+        return engine is None or engine.incarnation != incarnation
+
+    def plan(self, p_info: EngineInfo, d_info: EngineInfo, field: str) -> Plan:
+        """The (cached) routing plan between two engines; they must be able to exchange KV."""
+        p, d = p_info.engine, d_info.engine
+        plan = p_info.plans.get(d.engine_id)
+        if plan is not None and plan.decode_engine is d:
+            return plan
+        if p.compatibility_hash != d.compatibility_hash:
+            raise FailedPrecondition(
+                f"engines {p.engine_id!r} and {d.engine_id!r} have different compatibility hashes", reason=Reason.INCOMPATIBLE_LAYOUT, field=field
+            )
+        if p.pp_size != 1 or d.pp_size != 1:
+            # Write notifications name only the producer's tp rank.
+            raise FailedPrecondition("pipeline-parallel engines cannot exchange KV in kvpush v1", reason=Reason.INCOMPATIBLE_LAYOUT, field=field)
+        try:
+            routes = heads.routes(p_info.rank_heads, d_info.rank_heads)
+        except ValueError as exc:
+            raise FailedPrecondition(str(exc), reason=Reason.INCOMPATIBLE_LAYOUT, field=field) from None
+        orders = []
+        for rank_key in p_info.rank_keys:
+            consumers = heads.consumers_of(rank_key[2], routes)
+            if consumers:
+                orders.append((rank_key, tuple(consumers)))
+        expected = tuple(heads.expected_notifications(tp, routes) for tp in range(d.tp_size))
+        plan = p_info.plans[d.engine_id] = Plan(d, tuple(orders), expected)
+        return plan
+
+
+def check_blocks(blocks, info: EngineInfo, num_tokens: int, first_token: int, side: str) -> None:
+    """The block lists must name every KV cache group once, with just enough in-range blocks for the tokens."""
+    if num_tokens == 0:
+        raise InvalidArgument(f"{side}.num_tokens must be positive", reason=Reason.FIELD_REQUIRED, field=f"{side}.num_tokens")
+    if not blocks:
+        raise InvalidArgument(f"{side}.blocks is required", reason=Reason.FIELD_REQUIRED, field=f"{side}.blocks")
+    groups = info.groups
+    seen: set[int] = set()
+    for i, block_list in enumerate(blocks):
+        group = groups.get(block_list.group_index)
+        if group is None or block_list.group_index in seen:
+            raise invalid(f"group_index {block_list.group_index} is unknown or listed twice", f"{side}.blocks[{i}].group_index")
+        seen.add(block_list.group_index)
+        block_size, num_blocks = group
+        if first_token % block_size:
+            raise invalid(f"first_token {first_token} is not a multiple of the block size {block_size}", f"{side}.first_token")
+        ids = block_list.block_ids
+        needed = -(-num_tokens // block_size)
+        if len(ids) != needed:
+            raise invalid(f"{num_tokens} tokens in blocks of {block_size} need {needed} block ids, not {len(ids)}", f"{side}.blocks[{i}].block_ids")
+        if max(ids) >= num_blocks:
+            j = next(j for j, block_id in enumerate(ids) if block_id >= num_blocks)
+            raise InvalidArgument(
+                f"block id {ids[j]} is not below num_blocks {num_blocks}",
+                reason=Reason.BLOCK_ID_OUT_OF_RANGE,
+                field=f"{side}.blocks[{i}].block_ids[{j}]",
+            )
+    if len(seen) != len(groups):
+        missing = sorted(set(groups) - seen)
+        raise InvalidArgument(f"{side}.blocks lacks groups {missing}", reason=Reason.FIELD_REQUIRED, field=f"{side}.blocks")

@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The defects of the fencing issue, re-injected into today's code as the smallest patch that restores the old behaviour.
+
+The code these defects lived in was restructured when they were fixed (the
+producer, consumer and decode-wait logic became the deterministic cores the
+simulation drives), so each defect is reproduced here as a patch of the new
+code; test_defects.py shows the simulation finds each one with a recorded
+seed, and that the same seed passes without the patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from kvpush.connector.consumer import ConsumerCore, Receive
+from kvpush.connector.decode_waits import DecodeWaits
+from kvpush.connector.producer import ProducerCore
+from kvpush.errors import Aborted, Reason
+from kvpush.services.broker.core import BrokerCore
+from kvpush.services.common.clock import timestamp
+from kvpush.sim.actors import Timing
+
+
+@contextlib.contextmanager
+def patched(*patches: tuple[object, str, object]) -> Iterator[None]:
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in patches]
+    try:
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _lost_rank_fenced_at_once():
+    """1. A rank whose lease lapsed counted as fenced at once, though it may still post."""
+    original = BrokerCore._fence_bound
+
+    def fence_bound(self, rank_key, order):
+        return float("-inf") if self._planner.rank_lost(rank_key) else original(self, rank_key, order)
+
+    return patched((BrokerCore, "_fence_bound", fence_bound))
+
+
+def _aborted_registration_frees():
+    """2. A retried registration of a superseded attempt got ABORTED, which the decode side read as "nothing held"."""
+    original_arrive = BrokerCore._arrive
+    original_refused = DecodeWaits.registration_refused
+
+    def arrive(self, side, request, caller, parent):
+        record = self._transfers.get(request.key.transfer_id)
+        if record is not None and request.key.attempt < record.newest:
+            raise Aborted("superseded", reason=Reason.TRANSFER_SUPERSEDED, field="key.attempt")
+        return original_arrive(self, side, request, caller, parent)
+
+    def refused(self, key, message, fenced):
+        original_refused(self, key, message, True)
+
+    return patched((BrokerCore, "_arrive", arrive), (DecodeWaits, "registration_refused", refused))
+
+
+def _early_order_skips_token_check():
+    """3. An early order was written with the producer's own (fewer) tokens, and the decode side counted it complete."""
+    def count(self, receive: Receive, note) -> None:
+        receive.producers.add(note.producer)
+        receive.needed = note.needed
+
+    return patched((ProducerCore, "_short_of_tokens", staticmethod(lambda source, destination: "")), (ConsumerCore, "_count", count))
+
+
+def _budget_from_receipt():
+    """4a. A producer measured an order's budget from when it received the order, not from when it was sent."""
+    original = ProducerCore.stream_message
+
+    def stream_message(self, stream, message):
+        message.send_time.CopyFrom(timestamp(self.clock.wall()))
+        original(self, stream, message)
+
+    return patched((ProducerCore, "stream_message", stream_message))
+
+
+def _ended_attempt_never_times_out():
+    """4b. An ended attempt waited for its ranks' answers forever (tick() never fenced it by time)."""
+    return patched((BrokerCore, "_fence_bound", lambda self, rank_key, order: float("inf")))
+
+
+def _hold_margin_unchecked():
+    """4c. Any hold (free) margin was accepted, however short, and WRITEs kept the broker's full write timeout."""
+    return patched((BrokerCore, "_write_timeout", lambda self, request: self._config.write_timeout_s))
+
+
+def _no_write_timeout():
+    """5a. A WRITE that never completed was never aborted: it held the source and never answered."""
+    return patched((ProducerCore, "_abort_overdue", lambda self, now: None))
+
+
+def _peer_unloaded_in_flight():
+    """5b. A decode engine's NIXL agent was unloaded while WRITEs to it were in flight."""
+    return patched((ProducerCore, "_retire", lambda self, agent: self.transport.remove_peer(agent)))
+
+
+def _decode_key_collision():
+    """7. A second decode request with a waiting request's key took over its receive."""
+    original_admit = DecodeWaits.admit
+
+    def admit(self, req_id, params, refusal, timeout_s, alloc_ns):
+        by_key, self._by_key = self._by_key, {}
+        try:
+            wait = original_admit(self, req_id, params, refusal, timeout_s, alloc_ns)
+        finally:
+            self._by_key = {**by_key, **self._by_key}
+        return wait
+
+    def expect(self, recv):
+        key = (recv.transfer_id, recv.attempt)
+        self._pending[key] = Receive(recv)
+        self._by_request[recv.req_id] = key
+
+    return patched((DecodeWaits, "admit", admit), (ConsumerCore, "expect", expect))
+
+
+@dataclass(frozen=True)
+class Defect:
+    number: str
+    name: str
+    patch: object  # () -> context manager
+    expected: str  # the violation kind the simulation reports
+    timing: Timing = Timing()
+
+    @property
+    def title(self) -> str:
+        return self.patch.__doc__.split(". ", 1)[1]
+
+
+DEFECTS = [
+    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free"),
+    Defect("2", "ABORTED registration frees the blocks", _aborted_registration_frees, "write-after-free"),
+    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive"),
+    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free"),
+    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak"),
+    Defect("4c", "hold margin not validated", _hold_margin_unchecked, "write-after-free", replace(Timing(), hold_margin_s=0.12)),
+    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak"),
+    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight"),
+    Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive"),
+]
