@@ -891,7 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kvpush-engine-tracing", action=argparse.BooleanOptionalAction, default=True,
                         help="kvpush engines and control plane export spans (the per-segment breakdown needs them; routers always do)")
     parser.add_argument("--kvpush-extra-config", type=json.loads, default={},
-                        help='JSON merged into the kvpush engines\' kv_connector_extra_config, e.g. \'{"gil_switch_interval_ms": 5}\'')
+                        help='JSON merged into the kvpush engines\' kv_connector_extra_config, e.g. \'{"poll_interval_ms": 2}\'')
     parser.add_argument("--measure-idle", action="store_true", help="measure every running stack's idle cores after each start")
     parser.add_argument("--quick", action="store_true", help="a small grid to validate end to end: 256 and 1024 tokens, QPS 1 and 4, output 16, one iteration")
     parser.add_argument("--report-only", action="store_true", help="print the tables and targets of --results-dir and write summary.json")

@@ -340,6 +340,8 @@ class PrefillRank:
         released, _ = self.core.take_released()
         self.engine.released(released)
         now = self.engine.proc.now()
+        if due is not None and due <= now:
+            due = now + self.engine.sim.timing.transfer_poll_s  # as the transfer thread: never sooner than its poll interval
         if self.core.busy:
             due = now + self.engine.sim.timing.transfer_poll_s if due is None else min(due, now + self.engine.sim.timing.transfer_poll_s)
         if due is not None and due < self._next_step:

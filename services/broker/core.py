@@ -124,8 +124,9 @@ class BrokerCore:
         self._settled: deque[tuple[float, Attempt]] = deque()  # in settle order, so in time order
         self._state_counts = [0] * (max(tr_pb.TransferState.values()) + 1)
         self._unsettled = 0
-        # Attempts not yet settled, by the engines they involve (engine loss, resyncs).
-        self._by_engine: dict[str, set[Attempt]] = {}
+        # Attempts not yet settled, by the engines they involve (engine loss, resyncs); dicts as
+        # ordered sets, so every walk over them is in arrival order (a simulation replays exactly).
+        self._by_engine: dict[str, dict[Attempt, None]] = {}
         self._producers: dict[RankKey, ProducerMailbox] = {}
         self._decoders: dict[DecodeKey, DecodeMailbox] = {}
         self._wakeup: Callable[[float], None] | None = None
@@ -271,7 +272,7 @@ class BrokerCore:
             # Early orders let every producer rank write before rank 0's
             # report arrived: the report is late, not wrong.
             self._check_token_counts(att, mine, att.dest.destination, side, now)
-            att.src = request
+            att.src, att.rejection = request, None  # an earlier refused report is not this one's answer
             att.note(a.TL_PREFILL_DONE, now, mine.engine_id)
             return att
 
@@ -524,7 +525,8 @@ class BrokerCore:
         record = self._transfers.get(transfer_id)
         att = None
         if record is not None and record.attempts:
-            att = record.attempts.get(attempt or max(record.attempts))
+            # Attempt 0 means the newest attempt; an engine's tombstone never is one.
+            att = record.attempts.get(attempt or record.newest or max(record.attempts))
         if att is None:
             raise NotFound(f"transfer {transfer_id} attempt {attempt} is not known", reason=Reason.TRANSFER_NOT_FOUND, field="attempt" if record else "transfer_id")
         wall_offset = self._clock.wall() - self._clock.now()
@@ -560,9 +562,9 @@ class BrokerCore:
         rank_key = (request.engine_id, request.incarnation, request.tp_rank, request.pp_rank)
         now = self._clock.now()
         mailbox = self._producer_mailbox(rank_key, now)
-        subscription = mailbox.claim(self._config.outbox_capacity)
+        subscription = mailbox.claim()
         mailbox.early_orders = request.early_orders
-        for att in sorted(self._by_engine.get(request.engine_id, ()), key=lambda att: att.first_time):
+        for att in list(self._by_engine.get(request.engine_id, ())):
             if att.p_engine_id != request.engine_id or att.p_incarnation != request.incarnation:
                 continue
             order = att.orders.get(rank_key)
@@ -572,6 +574,7 @@ class BrokerCore:
                 self._send_orders(att, now, full=False)
             if att.ended:
                 mailbox.put(self._closed_message(att))
+        subscription.outbox.limit(self._config.outbox_capacity)  # the resync always fits; what follows may overflow
         return subscription
 
     def subscribe_decode(self, request: rv_pb.StreamTransferEventsRequest, caller_engine_id: str) -> Subscription:
@@ -584,12 +587,13 @@ class BrokerCore:
         mailbox = self._decoders.get(key)
         if mailbox is None or mailbox.closed:
             mailbox = self._decoders[key] = DecodeMailbox(key, now, _RESYNC_EVENTS)
-        subscription = mailbox.claim(self._config.outbox_capacity)
+        subscription = mailbox.claim()
         for message in mailbox.recent:
             subscription.outbox.put(message)
         for att in self._by_engine.get(request.engine_id, ()):
             if att.ended and att.dest is not None and att.d_incarnation == request.incarnation:
                 subscription.outbox.put(self._event(att, tr_pb.TRANSFER_EVENT_TYPE_FAILED))
+        subscription.outbox.limit(self._config.outbox_capacity)  # the resync always fits; what follows may overflow
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
@@ -737,8 +741,8 @@ class BrokerCore:
     def _index(self, att: Attempt, engine_id: str) -> None:
         attempts = self._by_engine.get(engine_id)
         if attempts is None:
-            attempts = self._by_engine[engine_id] = set()
-        attempts.add(att)
+            attempts = self._by_engine[engine_id] = {}
+        attempts[att] = None
 
     def _match(self, att: Attempt, parent: Context | None, now: float) -> None:
         """Both sides are in: end the rendezvous span and order every producer rank not yet ordered."""
@@ -910,10 +914,10 @@ class BrokerCore:
 
     def _settle(self, att: Attempt, now: float) -> None:
         self._unsettled -= 1
-        for engine_id in {att.p_engine_id, att.d_engine_id}:
+        for engine_id in (att.p_engine_id, att.d_engine_id):
             attempts = self._by_engine.get(engine_id)
             if attempts is not None:
-                attempts.discard(att)
+                attempts.pop(att, None)
                 if not attempts:
                     del self._by_engine[engine_id]
         if not self._settled and self._wakeup is not None:

@@ -30,9 +30,10 @@ class Subscription:
 
     __slots__ = ("mailbox", "outbox")
 
-    def __init__(self, mailbox: ProducerMailbox | DecodeMailbox, capacity: int):
+    def __init__(self, mailbox: ProducerMailbox | DecodeMailbox):
         self.mailbox = mailbox
-        self.outbox: Outbox = Outbox(capacity)
+        # Unbounded while the core queues the resync; BrokerCore bounds it after.
+        self.outbox: Outbox = Outbox(None)
 
     @property
     def active(self) -> bool:
@@ -54,8 +55,8 @@ class _Mailbox:
         if subscriber is not None:
             subscriber.outbox.put(message)
 
-    def claim(self, capacity: int) -> Subscription:
-        subscription = Subscription(self, capacity)  # type: ignore[arg-type]
+    def claim(self) -> Subscription:
+        subscription = Subscription(self)  # type: ignore[arg-type]
         previous = self.subscriber
         self.subscriber = subscription
         if previous is not None:

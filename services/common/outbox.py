@@ -20,8 +20,9 @@ class Outbox(Generic[T]):
 
     __slots__ = ("capacity", "closed", "dropped", "_items", "_ready")
 
-    def __init__(self, capacity: int):
-        if capacity < 1:
+    def __init__(self, capacity: int | None):
+        """capacity None: unbounded until limit() (a resync fills it first)."""
+        if capacity is not None and capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
         self.closed = False
@@ -36,13 +37,19 @@ class Outbox(Generic[T]):
         """Queues item; False when it was not queued (closed, or full: then the outbox closes)."""
         if self.closed:
             return False
-        if len(self._items) >= self.capacity:
+        if self.capacity is not None and len(self._items) >= self.capacity:
             self.dropped += 1
             self.close()
             return False
         self._items.append(item)
         self._ready.set()
         return True
+
+    def limit(self, room: int) -> None:
+        """Bounds the outbox to what it holds now plus room: a resync queued first never overflows it."""
+        if room < 1:
+            raise ValueError("room must be at least 1")
+        self.capacity = len(self._items) + room
 
     def drain(self) -> list[T]:
         """Takes every queued item."""

@@ -89,13 +89,14 @@ class EngineWatch:
 
     __slots__ = ("role", "watcher", "counted", "outbox")
 
-    def __init__(self, role: int, watcher: str, capacity: int):
+    def __init__(self, role: int, watcher: str):
         self.role = role
         self.watcher = watcher
         self.counted = True  # still counted against the watcher's cap
         # A watcher that falls a whole queue behind is closed rather than fed a
         # history with holes; it watches again and gets a fresh snapshot.
-        self.outbox: Outbox[reg_pb.WatchEnginesResponse] = Outbox(capacity)
+        # Unbounded while the snapshot is queued (a snapshot always fits).
+        self.outbox: Outbox[reg_pb.WatchEnginesResponse] = Outbox(None)
 
 
 class RegistrarCore:
@@ -108,7 +109,7 @@ class RegistrarCore:
         self._engines: dict[str, _Engine] = {}
         self._leases: dict[str, _Rank] = {}
         self._expiries: list[tuple[float, str]] = []  # heap; stale entries are skipped when popped
-        self._watches: set[EngineWatch] = set()
+        self._watches: dict[EngineWatch, None] = {}  # an ordered set: events reach watchers in a fixed order
         self._watches_by_watcher: dict[str, int] = {}
         self._removal_listeners: list[RemovalListener] = []
         self._wakeup: Callable[[float], None] | None = None
@@ -279,16 +280,17 @@ class RegistrarCore:
         if held >= self._config.max_watches_per_identity:
             raise ResourceExhausted(f"{watcher!r} already holds {held} engine watches, the most allowed", reason=Reason.TOO_MANY_WATCHES)
         self._watches_by_watcher[watcher] = held + 1
-        subscription = EngineWatch(role, watcher, self._config.watch_queue_capacity)
+        subscription = EngineWatch(role, watcher)
         for engine_id in sorted(self._engines):
             record = self._engines[engine_id]
             if not role or record.role == role:
                 subscription.outbox.put(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=record.snapshot))
-        self._watches.add(subscription)
+        subscription.outbox.limit(self._config.watch_queue_capacity)
+        self._watches[subscription] = None
         return subscription
 
     def unwatch(self, subscription: EngineWatch) -> None:
-        self._watches.discard(subscription)
+        self._watches.pop(subscription, None)
         subscription.outbox.close()
         # A watch closed for falling behind still counts until its stream ends here.
         if subscription.counted:
@@ -507,4 +509,4 @@ class RegistrarCore:
                 continue
             if not subscription.outbox.put(event):
                 logger.warning("closing an engine watch that fell %d events behind", subscription.outbox.capacity)
-                self._watches.discard(subscription)
+                self._watches.pop(subscription, None)

@@ -32,6 +32,7 @@ from tests.e2e.harness import (
     start_vllm_server,
 )
 from tests.e2e.kvpush_stack import (
+    Dispatch,
     dispatch,
     get_transfer,
     kvpush_transfer_config,
@@ -190,6 +191,66 @@ def test_abort_while_decode_waits_frees_everything(stack):
     assert transfer.end_reason == transfer_pb2.END_REASON_CANCELLED_BY_DECODE
     assert transfer.fenced
     assert_blocks_return(stack)
+
+
+def _decode_leg(stack, prompt, params, outcome: dict, name: str) -> threading.Thread:
+    def leg():
+        t0 = time.monotonic()
+        try:
+            outcome[name] = completions(stack["decode"].url, prompt, MAX_TOKENS, kv_transfer_params=params, timeout=120)
+        except HttpError as exc:
+            outcome[name] = exc
+        outcome[name + "_s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=leg)
+    thread.start()
+    return thread
+
+
+def test_a_colliding_decode_key_is_refused_and_the_first_request_still_gets_its_kv(stack):
+    """Defect 7: a second decode request with a waiting request's (transfer_id, attempt) took over its receive and leaked a block."""
+    transfer_id = new_transfer_id()
+    params = transfer_params("decode", transfer_id, "prefill-0", timeout_ms=20_000)
+    prompt = stack["prompts"][1]
+    outcome: dict = {}
+    first = _decode_leg(stack, prompt, params, outcome, "first")
+    wait_for(lambda: _state(stack, transfer_id) == transfer_pb2.TRANSFER_STATE_WAITING_FOR_PREFILL, 30, what="registration")
+    second = _decode_leg(stack, prompt, params, outcome, "second")
+    second.join(timeout=30)
+    assert isinstance(outcome.get("second"), HttpError), outcome.get("second")
+    assert outcome["second_s"] < 10  # refused at once: nothing naming its blocks left D
+    completions(stack["prefill"].url, prompt, 1, kv_transfer_params=transfer_params("prefill", transfer_id, "decode-0", timeout_ms=20_000))
+    first.join(timeout=60)
+    assert_matches_reference(_as_result(outcome["first"]), stack["reference"][1])
+    assert_blocks_return(stack)
+
+
+def test_a_request_that_never_gets_its_kv_fails_on_an_idle_engine_by_its_deadline_and_hold_margin(stack):
+    """Defect 8: a failed request was surfaced only at D's next engine step, so on an idle engine it hung."""
+    params = transfer_params("decode", new_transfer_id(), "prefill-0", timeout_ms=3000)
+    outcome: dict = {}
+    _decode_leg(stack, stack["prompts"][0], params, outcome, "lonely").join(timeout=60)
+    assert isinstance(outcome.get("lonely"), HttpError), outcome.get("lonely")
+    # Fenced by the broker at its deadline (nothing was ordered), so well before deadline + hold margin.
+    assert outcome["lonely_s"] < 3.0 + ENGINE_EXTRA["hold_margin_s"] + 2.0
+    assert_blocks_return(stack)
+
+
+def test_unreadable_kvpush_params_fail_each_request_and_free_its_blocks(stack):
+    """Every request with unparseable params used to share one key, so a second one leaked the first's blocks."""
+    bad = {"kvpush": {"role": "decode", "transfer_id": "bad id with spaces", "prefill_engine_id": "prefill-0"}}
+    outcome: dict = {}
+    legs = [_decode_leg(stack, stack["prompts"][i], bad, outcome, f"bad{i}") for i in range(2)]
+    for leg in legs:
+        leg.join(timeout=60)
+    for i in range(2):
+        assert isinstance(outcome[f"bad{i}"], HttpError)
+        assert outcome[f"bad{i}_s"] < 10
+    assert_blocks_return(stack)
+
+
+def _as_result(decode):
+    return Dispatch("", None, decode, 0.0)
 
 
 def test_missing_prefill_fails_within_deadline_and_engines_keep_serving(stack):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, FakeEngine, bearer, expect_rpc_error, running_control_plane, token_of
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
+from rpc_harness import CALL_TIMEOUT_S, FakeEngine, bearer, expect_rpc_error, running_control_plane, token_of
 
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -98,10 +98,18 @@ async def test_bad_registrations(channel, mutate, reason, field):
 
 async def test_registrar_lookups_and_lease_errors(channel):
     registrar = reg_grpc.RegistrarServiceStub(channel)
-    await expect_rpc_error(registrar.GetEngine(reg_pb.GetEngineRequest(engine_id="none"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.ENGINE_NOT_FOUND, "engine_id")
+    await expect_rpc_error(
+        registrar.GetEngine(reg_pb.GetEngineRequest(engine_id="none"), metadata=bearer(), timeout=T),
+        CODE.NOT_FOUND,
+        Reason.ENGINE_NOT_FOUND,
+        "engine_id",
+    )
     engine = bearer("prefill-0")
     await expect_rpc_error(
-        registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id="none"), metadata=engine, timeout=T), CODE.NOT_FOUND, Reason.LEASE_NOT_FOUND, "lease_id"
+        registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id="none"), metadata=engine, timeout=T),
+        CODE.NOT_FOUND,
+        Reason.LEASE_NOT_FOUND,
+        "lease_id",
     )
     keep_alive = registrar.KeepAlive(metadata=engine, timeout=T)
     await keep_alive.write(reg_pb.KeepAliveRequest())
@@ -116,19 +124,73 @@ async def test_conflicting_registration(engines):
     prefill, _ = engines
     changed = sample.rank_request("prefill-0", sample.PREFILL)
     changed.nixl.agent_name = "other"
-    await expect_rpc_error(prefill.registrar.RegisterEngineRank(changed, metadata=prefill.metadata, timeout=T), CODE.ALREADY_EXISTS, Reason.CONFLICTING_DUPLICATE, "rank")
+    await expect_rpc_error(
+        prefill.registrar.RegisterEngineRank(changed, metadata=prefill.metadata, timeout=T),
+        CODE.ALREADY_EXISTS,
+        Reason.CONFLICTING_DUPLICATE,
+        "rank",
+    )
 
 
 BROKER_CASES = [
-    ("block id out of range", "destination", dict(first_block=999), CODE.INVALID_ARGUMENT, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[1]"),
-    ("wrong block count", "destination", dict(num_tokens=40, block_size=8), CODE.INVALID_ARGUMENT, Reason.FIELD_INVALID, "destination.blocks[0].block_ids"),
-    ("unknown prefill engine", "destination", dict(prefill_engine_id="prefill-9"), CODE.NOT_FOUND, Reason.ENGINE_NOT_FOUND, "prefill_engine_id"),
-    ("decode engine as prefill", "destination", dict(prefill_engine_id="decode-0"), CODE.FAILED_PRECONDITION, Reason.ENGINE_ROLE_MISMATCH, "prefill_engine_id"),
-    ("old incarnation", "destination", dict(incarnation="inc-0"), CODE.FAILED_PRECONDITION, Reason.INCARNATION_MISMATCH, "destination.incarnation"),
+    (
+        "block id out of range",
+        "destination",
+        dict(first_block=999),
+        CODE.INVALID_ARGUMENT,
+        Reason.BLOCK_ID_OUT_OF_RANGE,
+        "destination.blocks[0].block_ids[1]",
+    ),
+    (
+        "wrong block count",
+        "destination",
+        dict(num_tokens=40, block_size=8),
+        CODE.INVALID_ARGUMENT,
+        Reason.FIELD_INVALID,
+        "destination.blocks[0].block_ids",
+    ),
+    (
+        "unknown prefill engine",
+        "destination",
+        dict(prefill_engine_id="prefill-9"),
+        CODE.NOT_FOUND,
+        Reason.ENGINE_NOT_FOUND,
+        "prefill_engine_id",
+    ),
+    (
+        "decode engine as prefill",
+        "destination",
+        dict(prefill_engine_id="decode-0"),
+        CODE.FAILED_PRECONDITION,
+        Reason.ENGINE_ROLE_MISMATCH,
+        "prefill_engine_id",
+    ),
+    (
+        "old incarnation",
+        "destination",
+        dict(incarnation="inc-0"),
+        CODE.FAILED_PRECONDITION,
+        Reason.INCARNATION_MISMATCH,
+        "destination.incarnation",
+    ),
     ("no timeout", "destination", dict(timeout_s=0), CODE.INVALID_ARGUMENT, Reason.FIELD_REQUIRED, "timeout"),
     ("bad transfer id", "destination", dict(transfer_id="t/1"), CODE.INVALID_ARGUMENT, Reason.FIELD_INVALID, "key.transfer_id"),
-    ("source block out of range", "source", dict(first_block=1000), CODE.INVALID_ARGUMENT, Reason.BLOCK_ID_OUT_OF_RANGE, "source.blocks[0].block_ids[0]"),
-    ("named decode engine is prefill", "source", dict(decode_engine_id="prefill-0"), CODE.FAILED_PRECONDITION, Reason.ENGINE_ROLE_MISMATCH, "decode_engine_id"),
+    (
+        "source block out of range",
+        "source",
+        dict(first_block=1000),
+        CODE.INVALID_ARGUMENT,
+        Reason.BLOCK_ID_OUT_OF_RANGE,
+        "source.blocks[0].block_ids[0]",
+    ),
+    (
+        "named decode engine is prefill",
+        "source",
+        dict(decode_engine_id="prefill-0"),
+        CODE.FAILED_PRECONDITION,
+        Reason.ENGINE_ROLE_MISMATCH,
+        "decode_engine_id",
+    ),
     ("timeout too long", "source", dict(timeout_s=3600), CODE.INVALID_ARGUMENT, Reason.FIELD_OUT_OF_RANGE, "timeout"),
 ]
 
@@ -167,7 +229,10 @@ async def test_transfer_state_errors(engines):
         "key",
     )
     await expect_rpc_error(
-        broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t9"), metadata=bearer(), timeout=T), CODE.NOT_FOUND, Reason.TRANSFER_NOT_FOUND, "transfer_id"
+        broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t9"), metadata=bearer(), timeout=T),
+        CODE.NOT_FOUND,
+        Reason.TRANSFER_NOT_FOUND,
+        "transfer_id",
     )
     await expect_rpc_error(
         prefill.broker.ReportWriteResult(sample.write_result_request("t1", outcome=0), metadata=prefill.metadata, timeout=T),
@@ -231,7 +296,9 @@ async def test_rpcs_are_traced_and_only_server_faults_are_errors():
             prefill = await FakeEngine(channel, "prefill-0", sample.PREFILL).register()
             decode = await FakeEngine(channel, "decode-0", sample.DECODE).register()
             traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-            await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=(*decode.metadata, ("traceparent", traceparent)), timeout=T)
+            await decode.broker.RegisterDestination(
+                sample.destination_request("t1"), metadata=(*decode.metadata, ("traceparent", traceparent)), timeout=T
+            )
             await prefill.broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=prefill.metadata, timeout=T)
             with pytest.raises(grpc.aio.AioRpcError):
                 await decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t9"), metadata=bearer(), timeout=T)
@@ -257,4 +324,6 @@ async def test_an_internal_failure_is_internal_not_unknown(plane, channel, monke
 
     monkeypatch.setattr(plane.broker, "get_transfer", broken)
     broker = rv_grpc.RendezvousServiceStub(channel)
-    await expect_rpc_error(broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=bearer(), timeout=T), CODE.INTERNAL, Reason.INTERNAL)
+    await expect_rpc_error(
+        broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=bearer(), timeout=T), CODE.INTERNAL, Reason.INTERNAL
+    )

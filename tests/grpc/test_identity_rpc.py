@@ -12,7 +12,7 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, WAIT_S, FakeEngine, bearer, expect_rpc_error, read, running_control_plane
+from rpc_harness import CALL_TIMEOUT_S, WAIT_S, FakeEngine, bearer, expect_rpc_error, read, running_control_plane
 
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -30,7 +30,9 @@ DENIED, MISMATCH = CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH
 
 
 async def _engine(channel: grpc.aio.Channel, engine_id: str) -> reg_pb.Engine:
-    return (await reg_grpc.RegistrarServiceStub(channel).GetEngine(reg_pb.GetEngineRequest(engine_id=engine_id), metadata=bearer(), timeout=T)).engine
+    return (
+        await reg_grpc.RegistrarServiceStub(channel).GetEngine(reg_pb.GetEngineRequest(engine_id=engine_id), metadata=bearer(), timeout=T)
+    ).engine
 
 
 # ----- registration and leases -----
@@ -64,7 +66,9 @@ async def test_an_engine_may_not_obtain_anothers_lease_by_registering_its_rank_a
 async def test_an_engine_may_not_evict_another_with_a_new_incarnation(engines):
     prefill, decode = engines
     takeover = sample.rank_request("decode-0", sample.DECODE, incarnation="inc-2")
-    await expect_rpc_error(prefill.registrar.RegisterEngineRank(takeover, metadata=prefill.metadata, timeout=T), DENIED, MISMATCH, "rank.engine_id")
+    await expect_rpc_error(
+        prefill.registrar.RegisterEngineRank(takeover, metadata=prefill.metadata, timeout=T), DENIED, MISMATCH, "rank.engine_id"
+    )
     engine = await _engine(decode.channel, "decode-0")
     assert (engine.incarnation, engine.state) == ("inc-1", reg_pb.ENGINE_STATE_READY)
 
@@ -90,7 +94,9 @@ async def test_a_keep_alive_stream_renews_only_its_own_engines_leases(engines):
 async def test_only_the_engine_deregisters_its_lease(engines, identity):
     prefill, _ = engines
     request = reg_pb.DeregisterEngineRankRequest(lease_id=prefill.leases[0])
-    await expect_rpc_error(prefill.registrar.DeregisterEngineRank(request, metadata=bearer(identity), timeout=T), DENIED, MISMATCH, "lease_id")
+    await expect_rpc_error(
+        prefill.registrar.DeregisterEngineRank(request, metadata=bearer(identity), timeout=T), DENIED, MISMATCH, "lease_id"
+    )
     assert (await _engine(prefill.channel, "prefill-0")).state == reg_pb.ENGINE_STATE_READY
     await prefill.registrar.DeregisterEngineRank(request, metadata=prefill.metadata, timeout=T)
 
@@ -109,15 +115,28 @@ async def test_the_router_and_broker_may_not_touch_leases_at_all(channel, identi
 def _engine_calls(broker: rv_grpc.RendezvousServiceStub, metadata) -> dict:
     """Each engine-scoped broker call (made for prefill-0 or decode-0) and the field naming its engine."""
     return {
-        "RegisterDestination": (lambda: broker.RegisterDestination(sample.destination_request("t1"), metadata=metadata, timeout=T), "destination.engine_id"),
-        "ReportPrefillDone": (lambda: broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=metadata, timeout=T), "source.engine_id"),
-        "ReportWriteResult": (lambda: broker.ReportWriteResult(sample.write_result_request("t1"), metadata=metadata, timeout=T), "engine_id"),
+        "RegisterDestination": (
+            lambda: broker.RegisterDestination(sample.destination_request("t1"), metadata=metadata, timeout=T),
+            "destination.engine_id",
+        ),
+        "ReportPrefillDone": (
+            lambda: broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=metadata, timeout=T),
+            "source.engine_id",
+        ),
+        "ReportWriteResult": (
+            lambda: broker.ReportWriteResult(sample.write_result_request("t1"), metadata=metadata, timeout=T),
+            "engine_id",
+        ),
         "StreamWriteOrders": (
-            lambda: broker.StreamWriteOrders(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1"), metadata=metadata, timeout=T).read(),
+            lambda: broker.StreamWriteOrders(
+                rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1"), metadata=metadata, timeout=T
+            ).read(),
             "engine_id",
         ),
         "StreamTransferEvents": (
-            lambda: broker.StreamTransferEvents(rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1"), metadata=metadata, timeout=T).read(),
+            lambda: broker.StreamTransferEvents(
+                rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1"), metadata=metadata, timeout=T
+            ).read(),
             "engine_id",
         ),
     }
@@ -150,8 +169,12 @@ async def test_the_broker_identity_may_neither_cancel_nor_query_transfers(engine
     prefill, decode = engines
     await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)
     key = tr_pb.TransferKey(transfer_id="t1", attempt=1)
-    await expect_rpc_error(decode.broker.CancelTransfer(rv_pb.CancelTransferRequest(key=key), metadata=bearer("broker"), timeout=T), DENIED, MISMATCH)
-    await expect_rpc_error(decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=bearer("broker"), timeout=T), DENIED, MISMATCH)
+    await expect_rpc_error(
+        decode.broker.CancelTransfer(rv_pb.CancelTransferRequest(key=key), metadata=bearer("broker"), timeout=T), DENIED, MISMATCH
+    )
+    await expect_rpc_error(
+        decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=bearer("broker"), timeout=T), DENIED, MISMATCH
+    )
     transfer = (await decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=prefill.metadata, timeout=T)).transfer
     assert transfer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL  # an engine may query; nothing was cancelled
 
@@ -206,7 +229,9 @@ async def test_engines_past_max_engines_are_refused():
 
 
 async def test_watches_past_max_watches_per_identity_are_refused():
-    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), registrar_config=RegistrarConfig(max_watches_per_identity=2)) as plane:
+    async with running_control_plane(
+        ServerConfig(listen="127.0.0.1:0"), registrar_config=RegistrarConfig(max_watches_per_identity=2)
+    ) as plane:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
             registrar = reg_grpc.RegistrarServiceStub(channel)
 

@@ -9,11 +9,11 @@ import pathlib
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, expect_rpc_error, running_control_plane
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from rpc_harness import CALL_TIMEOUT_S, expect_rpc_error, running_control_plane
 
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -50,7 +50,9 @@ def _certificate(common_name: str, key, issuer_name: x509.Name, issuer_key, *, c
         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
     )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False
+        )
     return builder.sign(issuer_key, hashes.SHA256())
 
 
@@ -61,7 +63,9 @@ class Pki:
         self.directory = directory
         self._ca_key = _key()
         self._ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvpush test CA")])
-        self.ca_pem = _certificate("kvpush test CA", self._ca_key, self._ca_name, self._ca_key, ca=True).public_bytes(serialization.Encoding.PEM)
+        self.ca_pem = _certificate("kvpush test CA", self._ca_key, self._ca_name, self._ca_key, ca=True).public_bytes(
+            serialization.Encoding.PEM
+        )
         (directory / "ca.pem").write_bytes(self.ca_pem)
         key_pem, cert_pem = self.issue("control-plane", server=True)
         (directory / "server.key").write_bytes(key_pem)
@@ -123,7 +127,11 @@ async def test_router_may_query_and_cancel_but_a_stranger_may_not_cancel(pki_pla
         await rv_grpc.RendezvousServiceStub(decode_channel).RegisterDestination(sample.destination_request("t1"), timeout=T)
     cancel = rv_pb.CancelTransferRequest(key=tr_pb.TransferKey(transfer_id="t1", attempt=1))
     async with pki.channel(plane.port, "mallory") as stranger:
-        await expect_rpc_error(rv_grpc.RendezvousServiceStub(stranger).CancelTransfer(cancel, timeout=T), CODE.PERMISSION_DENIED, Reason.ENGINE_IDENTITY_MISMATCH)
+        await expect_rpc_error(
+            rv_grpc.RendezvousServiceStub(stranger).CancelTransfer(cancel, timeout=T),
+            CODE.PERMISSION_DENIED,
+            Reason.ENGINE_IDENTITY_MISMATCH,
+        )
     async with pki.channel(plane.port, "router") as router_channel:
         router = rv_grpc.RendezvousServiceStub(router_channel)
         assert (await router.CancelTransfer(cancel, timeout=T)).state == tr_pb.TRANSFER_STATE_CANCELLED
@@ -146,10 +154,19 @@ async def test_router_and_broker_certificates_never_act_for_an_engine(pki_plane)
     for identity in ("router", "broker"):
         async with pki.channel(plane.port, identity) as channel:
             registrar, broker = reg_grpc.RegistrarServiceStub(channel), rv_grpc.RendezvousServiceStub(channel)
-            await expect_rpc_error(registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), timeout=T), DENIED, MISMATCH, "rank.engine_id")
+            await expect_rpc_error(
+                registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), timeout=T),
+                DENIED,
+                MISMATCH,
+                "rank.engine_id",
+            )
             await expect_rpc_error(registrar.KeepAlive(timeout=T).read(), DENIED, MISMATCH, "lease_ids")
-            await expect_rpc_error(broker.ReportPrefillDone(sample.prefill_done_request("t1"), timeout=T), DENIED, MISMATCH, "source.engine_id")
-            await expect_rpc_error(broker.RegisterDestination(sample.destination_request("t1"), timeout=T), DENIED, MISMATCH, "destination.engine_id")
+            await expect_rpc_error(
+                broker.ReportPrefillDone(sample.prefill_done_request("t1"), timeout=T), DENIED, MISMATCH, "source.engine_id"
+            )
+            await expect_rpc_error(
+                broker.RegisterDestination(sample.destination_request("t1"), timeout=T), DENIED, MISMATCH, "destination.engine_id"
+            )
             await expect_rpc_error(broker.ReportWriteResult(sample.write_result_request("t1"), timeout=T), DENIED, MISMATCH, "engine_id")
             orders = broker.StreamWriteOrders(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1"), timeout=T)
             await expect_rpc_error(orders.read(), DENIED, MISMATCH, "engine_id")
@@ -161,16 +178,25 @@ async def test_an_engine_certificate_may_not_take_over_another_engines_ranks(pki
     pki, plane = pki_plane
     async with pki.channel(plane.port, "prefill-0") as prefill_channel, pki.channel(plane.port, "decode-0") as decode_channel:
         prefill_registrar = reg_grpc.RegistrarServiceStub(prefill_channel)
-        lease = await reg_grpc.RegistrarServiceStub(decode_channel).RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE), timeout=T)
+        lease = await reg_grpc.RegistrarServiceStub(decode_channel).RegisterEngineRank(
+            sample.rank_request("decode-0", sample.DECODE), timeout=T
+        )
         for incarnation in ("inc-1", "inc-2"):  # the identical rank (its lease), then a new incarnation (eviction)
             call = prefill_registrar.RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE, incarnation=incarnation), timeout=T)
             await expect_rpc_error(call, DENIED, MISMATCH, "rank.engine_id")
         keep_alive = prefill_registrar.KeepAlive(timeout=T)
         await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=[lease.lease_id]))
         await expect_rpc_error(keep_alive.read(), DENIED, MISMATCH, "lease_ids")
-        await expect_rpc_error(prefill_registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=lease.lease_id), timeout=T), DENIED, MISMATCH, "lease_id")
         await expect_rpc_error(
-            rv_grpc.RendezvousServiceStub(prefill_channel).StreamTransferEvents(rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1"), timeout=T).read(),
+            prefill_registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=lease.lease_id), timeout=T),
+            DENIED,
+            MISMATCH,
+            "lease_id",
+        )
+        await expect_rpc_error(
+            rv_grpc.RendezvousServiceStub(prefill_channel)
+            .StreamTransferEvents(rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1"), timeout=T)
+            .read(),
             DENIED,
             MISMATCH,
             "engine_id",

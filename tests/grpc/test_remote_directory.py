@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import grpc
-from conftest import WAIT_S, FakeEngine, bearer, running_control_plane
+from rpc_harness import WAIT_S, FakeEngine, bearer, running_control_plane
 
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
@@ -37,9 +37,15 @@ async def test_the_mirror_follows_registrations_and_removals():
                 assert directory.get_engine("prefill-0").state == reg_pb.ENGINE_STATE_READY
 
                 decode = await FakeEngine(channel, "decode-0", sample.DECODE, tp_size=2).register()
-                await until(lambda: directory.get_engine("decode-0") is not None and directory.get_engine("decode-0").state == reg_pb.ENGINE_STATE_READY)
+                await until(
+                    lambda: (
+                        directory.get_engine("decode-0") is not None and directory.get_engine("decode-0").state == reg_pb.ENGINE_STATE_READY
+                    )
+                )
                 before = directory.get_engine("decode-0")
-                await decode.registrar.DeregisterEngineRank(reg_pb.DeregisterEngineRankRequest(lease_id=decode.leases[1]), metadata=decode.metadata, timeout=WAIT_S)
+                await decode.registrar.DeregisterEngineRank(
+                    reg_pb.DeregisterEngineRankRequest(lease_id=decode.leases[1]), metadata=decode.metadata, timeout=WAIT_S
+                )
                 await until(lambda: removed)
                 assert removed == [("decode-0", "inc-1", RemovalReason.DEREGISTERED)]
                 assert directory.get_engine("decode-0") is not before  # a new snapshot object
@@ -48,7 +54,9 @@ async def test_the_mirror_follows_registrations_and_removals():
                 # While the mirror is not following, an engine goes away; the resync reports it.
                 follower.cancel()
                 await asyncio.gather(follower, return_exceptions=True)
-                plane.registrar.end_leases(prefill.leases, RemovalReason.LEASE_EXPIRED)
+                await prefill.registrar.DeregisterEngineRank(
+                    reg_pb.DeregisterEngineRankRequest(lease_id=prefill.leases[0]), metadata=prefill.metadata, timeout=WAIT_S
+                )
                 removed.clear()
                 directory.synced.clear()
                 follower = asyncio.create_task(directory.run())

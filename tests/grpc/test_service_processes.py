@@ -15,8 +15,8 @@ import urllib.request
 
 import grpc
 import pytest
-from conftest import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rpc_harness import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -96,16 +96,22 @@ async def test_kvpush_tokens_then_a_control_plane_serving_those_identities_and_s
     assert sorted(tokens) == ["decode-0", "prefill-0", "router"] and len(set(tokens.values())) == 3
     assert all((tokens_dir / name).stat().st_mode & 0o777 == 0o600 for name in tokens)
     assert "created decode-0; kept router" in kept.stdout
-    assert not any(token in created.stdout + created.stderr + kept.stdout + kept.stderr for token in tokens.values())  # nothing secret printed
+    assert not any(
+        token in created.stdout + created.stderr + kept.stdout + kept.stderr for token in tokens.values()
+    )  # nothing secret printed
     service = ServiceProcess(tmp_path, "control-plane", "--tokens-dir", str(tokens_dir), "--metrics-port", "0")
     try:
         port = await service.port()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await wait_serving(channel, "kvpush.rendezvous.v1.RendezvousService")
             registrar = reg_grpc.RegistrarServiceStub(channel)
-            await registrar.RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE), metadata=bearer_of(tokens_dir, "decode-0"), timeout=T)
+            await registrar.RegisterEngineRank(
+                sample.rank_request("decode-0", sample.DECODE), metadata=bearer_of(tokens_dir, "decode-0"), timeout=T
+            )
             await expect_rpc_error(
-                registrar.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL), metadata=bearer_of(tokens_dir, "router"), timeout=T),
+                registrar.RegisterEngineRank(
+                    sample.rank_request("prefill-0", sample.PREFILL), metadata=bearer_of(tokens_dir, "router"), timeout=T
+                ),
                 grpc.StatusCode.PERMISSION_DENIED,
                 Reason.ENGINE_IDENTITY_MISMATCH,
                 "rank.engine_id",
@@ -130,7 +136,10 @@ async def test_separate_registrar_and_broker(tmp_path):
         registrar_port = await registrar.port()
         broker = ServiceProcess(tmp_path, "broker", *shared, "--registrar", f"127.0.0.1:{registrar_port}")
         broker_port = await broker.port()
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{registrar_port}") as registrar_channel, grpc.aio.insecure_channel(f"127.0.0.1:{broker_port}") as broker_channel:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{registrar_port}") as registrar_channel,
+            grpc.aio.insecure_channel(f"127.0.0.1:{broker_port}") as broker_channel,
+        ):
             prefill = await FakeEngine(registrar_channel, "prefill-0", sample.PREFILL, token=token["prefill-0"]).register()
             decode = await FakeEngine(registrar_channel, "decode-0", sample.DECODE, token=token["decode-0"]).register()
             # The broker mirrors the registrar as `broker`, which may read engines and nothing else.
@@ -144,7 +153,9 @@ async def test_separate_registrar_and_broker(tmp_path):
                 "lease_id",
             )
             prefill.channel = decode.channel = broker_channel
-            keep_alive = await FakeEngine(registrar_channel, "prefill-0", sample.PREFILL, token=prefill.token, leases=prefill.leases).keep_alive()
+            keep_alive = await FakeEngine(
+                registrar_channel, "prefill-0", sample.PREFILL, token=prefill.token, leases=prefill.leases
+            ).keep_alive()
             orders = await prefill.orders()
             events = await decode.events()
             await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)
@@ -156,9 +167,12 @@ async def test_separate_registrar_and_broker(tmp_path):
                 Reason.ENGINE_IDENTITY_MISMATCH,
                 "source.engine_id",
             )
-            # The prefill engine's KeepAlive stream closing reaches the broker through its watch.
+            # The prefill engine leaving the registrar reaches the broker through its watch.
             await decode.broker.RegisterDestination(sample.destination_request("t3"), metadata=decode.metadata, timeout=T)
             keep_alive.cancel()
+            await reg_grpc.RegistrarServiceStub(registrar_channel).DeregisterEngineRank(
+                reg_pb.DeregisterEngineRankRequest(lease_id=prefill.leases[0]), metadata=prefill.metadata, timeout=T
+            )
             event = (await read(events)).event
             while event.key.transfer_id != "t3":
                 event = (await read(events)).event
@@ -197,4 +211,3 @@ def test_kvpush_tokens_refuses_a_name_that_is_no_identity(tmp_path):
     result = kvpush("tokens", "--dir", str(tmp_path / "tokens"), "router", "not/an-id")
     assert result.returncode == 2 and "'not/an-id' is not an identity" in result.stderr
     assert not (tmp_path / "tokens").exists()
-

@@ -64,6 +64,7 @@ def _aborted_registration_frees():
 
 def _early_order_skips_token_check():
     """3. An early order was written with the producer's own (fewer) tokens, and the decode side counted it complete."""
+
     def count(self, receive: Receive, note) -> None:
         receive.producers.add(note.producer)
         receive.needed = note.needed
@@ -128,6 +129,7 @@ class Defect:
     name: str
     patch: object  # () -> context manager
     expected: str  # the violation kind the simulation reports
+    seeds: tuple[int, ...] = ()  # schedules in which the simulation found it (searched from seed 0 up)
     timing: Timing = Timing()
 
     @property
@@ -135,14 +137,48 @@ class Defect:
         return self.patch.__doc__.split(". ", 1)[1]
 
 
-DEFECTS = [
-    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free"),
-    Defect("2", "ABORTED registration frees the blocks", _aborted_registration_frees, "write-after-free"),
-    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive"),
-    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free"),
-    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak"),
-    Defect("4c", "hold margin not validated", _hold_margin_unchecked, "write-after-free", replace(Timing(), hold_margin_s=0.12)),
-    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak"),
-    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight"),
-    Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive"),
+# Found by the simulation (seeds from `python tests/sim/defects.py`, which searches from seed 0).
+SIMULATED = [
+    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (436, 494, 724)),
+    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 16)),
+    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (37, 44, 191)),
+    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (41, 49, 59)),
+    Defect(
+        "4c",
+        "hold margin not validated",
+        _hold_margin_unchecked,
+        "write-after-free",
+        (1103, 2538, 2760),
+        replace(Timing(), hold_margin_s=0.01),
+    ),
+    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 6, 8)),
+    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 733, 872)),
+    Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (444, 447, 462)),
 ]
+# Defect 2 needs a registration retried across a supersession while the old
+# attempt's order is still unanswered: too narrow a window for random
+# schedules here (none in 20,000), so test_defects.py drives that exact
+# interleaving through the same broker core and decode waits.
+aborted_registration_frees = _aborted_registration_frees
+
+
+def search(first: int = 0, count: int = 20_000, wanted: int = 3) -> None:
+    """Prints, per defect, the first seeds in which the simulation finds it."""
+    import logging
+
+    from kvpush.sim.actors import Simulation
+
+    logging.disable(logging.CRITICAL)
+    for defect in SIMULATED:
+        found = []
+        with defect.patch():
+            for seed in range(first, first + count):
+                if defect.expected in Simulation(seed, defect.timing).run().kinds:
+                    found.append(seed)
+                    if len(found) == wanted:
+                        break
+        print(f"defect {defect.number} ({defect.name}): seeds {found}", flush=True)
+
+
+if __name__ == "__main__":
+    search()

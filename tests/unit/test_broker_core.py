@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""BrokerCore: rendezvous in either order, orders, fencing, supersession, cancel, deadlines, engine loss, validation."""
+"""BrokerCore: rendezvous in either order, orders, fencing (by answers, by time, after the startup grace),
+supersession, tombstones, cancel, deadlines, engine loss, resyncs, validation and memory bounds."""
 
 from __future__ import annotations
 
@@ -18,14 +19,18 @@ from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import Actor
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.registrar.core import RemovalReason
+from kvpush.services.common.clock import timestamp
 
 S = tr_pb  # state and reason names are long; S.TRANSFER_STATE_DONE reads fine
 COMPLETED = tr_pb.TRANSFER_EVENT_TYPE_COMPLETED
 ENDED = tr_pb.TRANSFER_EVENT_TYPE_ENDED
+FAILED_EVENT = tr_pb.TRANSFER_EVENT_TYPE_FAILED  # ended, not fenced yet: the decode side keeps its blocks
 WRITTEN = tr_pb.WRITE_OUTCOME_WRITTEN
 REVOKED = tr_pb.WRITE_OUTCOME_REVOKED
 FAILED = tr_pb.WRITE_OUTCOME_FAILED
+
+# The harness's BrokerConfig defaults: the numbers the fencing bounds are made of.
+SKEW, WRITE_TIMEOUT, STREAM_LEASE, FENCE_MARGIN = 0.25, 3.0, 3.0, 1.0
 
 
 def expect(error_type: type[errors.KvpushError], reason: str, field: str, call, *args, **kwargs) -> errors.KvpushError:
@@ -35,14 +40,19 @@ def expect(error_type: type[errors.KvpushError], reason: str, field: str, call, 
     return info.value
 
 
+def seconds(duration) -> float:
+    return duration.ToNanoseconds() / 1e9
+
+
 # ----- rendezvous -----
 
 
 def test_decode_first_then_prefill_done_orders_the_producer_once():
     h = Harness()
     response = h.register()
-    assert (response.state, response.first_arrival) == (S.TRANSFER_STATE_WAITING_FOR_PREFILL, S.TRANSFER_SIDE_DECODE)
+    assert (response.state, response.first_arrival, response.fenced) == (S.TRANSFER_STATE_WAITING_FOR_PREFILL, S.TRANSFER_SIDE_DECODE, False)
     assert list(response.expected_notifications) == [1]
+    assert response.deadline == timestamp(h.clock.wall() + 30)
     assert h.messages() == []  # no early orders asked for
     response = h.prefill_done()
     assert (response.state, response.first_arrival) == (S.TRANSFER_STATE_MATCHED, S.TRANSFER_SIDE_DECODE)
@@ -50,7 +60,11 @@ def test_decode_first_then_prefill_done_orders_the_producer_once():
     order = message.order
     assert order.HasField("source") and order.source.num_tokens == 40
     assert order.destination.engine_id == D and list(order.decode_tp_ranks) == [0]
-    assert order.write_budget.ToNanoseconds() == 30 * 10**9
+    # The budget runs to the deadline less the skew allowance, measured by the rank from send_time.
+    assert seconds(order.write_budget) == 30 - SKEW
+    assert seconds(order.write_timeout) == WRITE_TIMEOUT
+    assert message.send_time == timestamp(h.clock.wall())
+    assert seconds(message.stream_lease) == STREAM_LEASE - SKEW
     assert h.write() == S.TRANSFER_STATE_DONE
     assert h.events() == [("t1", 1, COMPLETED, S.END_REASON_COMPLETED)]
     assert h.kinds() == [("closed", "t1", 1)]
@@ -64,6 +78,8 @@ def test_decode_first_then_prefill_done_orders_the_producer_once():
         S.TIMELINE_ENTRY_KIND_ENDED,
         S.TIMELINE_ENTRY_KIND_FENCED,
     ]
+    # A completed attempt's blocks hold the KV: its repeat is not "fenced" (nothing to reuse).
+    assert not h.register().fenced
 
 
 def test_prefill_first_then_registration():
@@ -76,7 +92,7 @@ def test_prefill_first_then_registration():
     assert (response.state, response.first_arrival) == (S.TRANSFER_STATE_MATCHED, S.TRANSFER_SIDE_PREFILL)
     [message] = h.messages()
     assert message.order.HasField("source")
-    assert message.order.write_budget.ToNanoseconds() == 18 * 10**9  # the prefill side's deadline is earlier
+    assert seconds(message.order.write_budget) == 18 - SKEW  # the prefill side's deadline is earlier
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_rendezvous_wait_seconds_sum") == pytest.approx(2.0)
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_rendezvous_total") == 1
 
@@ -102,6 +118,18 @@ def test_early_writes_may_finish_before_prefill_done_arrives():
     assert h.kinds() == [("closed", "t1", 1)]  # and no second order
 
 
+def test_a_late_prefill_done_after_early_writes_completed_is_checked_for_its_token_count():
+    h = Harness(early=True)
+    h.register(num_tokens=40)
+    h.messages()
+    assert h.write() == S.TRANSFER_STATE_DONE
+    expect(errors.FailedPrecondition, Reason.TOKEN_COUNT_MISMATCH, "source.num_tokens", h.prefill_done, num_tokens=32)
+    assert h.state() == S.TRANSFER_STATE_DONE  # what was written stays written
+    assert h.prefill_done(num_tokens=40).state == S.TRANSFER_STATE_DONE
+    # The accepted report is now the recorded arrival: its identical repeat gets the same answer.
+    assert h.prefill_done(num_tokens=40).state == S.TRANSFER_STATE_DONE
+
+
 def test_early_and_late_ranks_each_get_one_order():
     h = Harness(p_tp=2, d_tp=2, early=[True, False])
     h.register()
@@ -120,6 +148,18 @@ def test_a_rank_without_a_stream_gets_its_order_when_it_subscribes():
     h.prefill_done()
     subscription = h.subscribe_producer(0, early=True)
     assert [m.WhichOneof("message") for m in subscription.outbox.drain()] == ["order"]
+
+
+def test_nothing_is_queued_for_a_rank_whose_stream_ended():
+    h = Harness()
+    ended = h.producers[0]
+    h.unsubscribe_producer(0)
+    h.register()
+    h.prefill_done()
+    assert ended.outbox.drain() == []  # the order waits for the next stream, as a resync
+    assert h.kinds() == []
+    h.subscribe_producer(0, early=False)
+    assert h.kinds() == [("order", "t1", 1)]
 
 
 def test_a_newer_stream_replaces_the_older_one():
@@ -202,10 +242,26 @@ def test_conflicting_prefill_done_and_write_result_are_refused():
     expect(errors.AlreadyExists, Reason.CONFLICTING_DUPLICATE, "outcome", h.write, outcome=FAILED)
 
 
-# ----- supersession and fencing -----
+def test_an_identical_repeat_of_a_superseded_registration_answers_its_state_and_whether_it_is_fenced():
+    h = Harness()
+    h.register(attempt=1)
+    h.prefill_done(attempt=1)
+    h.register(attempt=2, first_block=10)
+    repeat = h.register(attempt=1)
+    assert (repeat.state, repeat.fenced) == (S.TRANSFER_STATE_SUPERSEDED, False)  # its order is unanswered
+    assert h.prefill_done(attempt=1).state == S.TRANSFER_STATE_SUPERSEDED
+    h.write(attempt=1, outcome=REVOKED)
+    repeat = h.register(attempt=1)
+    assert (repeat.state, repeat.fenced) == (S.TRANSFER_STATE_SUPERSEDED, True)
+    # Other content for the superseded attempt is refused.
+    error = expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, attempt=1, first_block=20)
+    assert error.metadata["fenced"] == "true"  # those other blocks were never named by any attempt
 
 
-def test_a_reissue_supersedes_and_fences_the_old_attempt_before_decode_is_told():
+# ----- supersession and fencing by answers -----
+
+
+def test_a_reissue_supersedes_the_old_attempt_and_decode_reuses_its_blocks_only_once_fenced():
     h = Harness()
     h.register(attempt=1)
     h.prefill_done(attempt=1)
@@ -213,14 +269,14 @@ def test_a_reissue_supersedes_and_fences_the_old_attempt_before_decode_is_told()
     h.register(attempt=2, first_block=10)
     assert h.state(attempt=1) == S.TRANSFER_STATE_SUPERSEDED
     assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
-    assert h.events() == []  # the old order is unanswered: its blocks may still be written
-    assert not h.broker.get_transfer("t1", 1).fenced
-    # Stale messages for attempt 1 are refused; its rank's answer is still taken.
-    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.prefill_done, attempt=1)
-    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.register, attempt=1)
+    # The old order is unanswered: its blocks may still be written, so FAILED, not ENDED.
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_SUPERSEDED)]
+    assert not h.fenced(attempt=1)
+    # Other messages for attempt 1 are refused; its rank's answer is still taken.
+    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, attempt=1, num_tokens=48)
     assert h.write(attempt=1, outcome=REVOKED) == S.TRANSFER_STATE_SUPERSEDED
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_SUPERSEDED)]
-    assert h.broker.get_transfer("t1", 1).fenced
+    assert h.fenced(attempt=1)
     # Attempt 2 runs normally and never orders attempt 1 again.
     h.prefill_done(attempt=2)
     assert h.kinds() == [("order", "t1", 2)]
@@ -234,7 +290,7 @@ def test_a_stale_write_after_supersession_counts_as_its_fencing_answer():
     h.prefill_done(attempt=1)
     h.prefill_done(attempt=3)
     assert h.write(attempt=1, outcome=WRITTEN) == S.TRANSFER_STATE_SUPERSEDED
-    assert h.events() == [("t1", 1, ENDED, S.END_REASON_SUPERSEDED)]
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_SUPERSEDED), ("t1", 1, ENDED, S.END_REASON_SUPERSEDED)]
     assert h.broker.get_transfer("t1", 1).bytes_written == 4096
     expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.register, attempt=2)
 
@@ -254,10 +310,24 @@ def test_a_failed_write_fails_the_attempt_and_revokes_the_other_ranks():
     h.messages(0), h.messages(1)
     assert h.write(tp=0, outcome=FAILED) == S.TRANSFER_STATE_FAILED
     assert h.kinds(1) == [("revocation", "t1", 1), ("closed", "t1", 1)]
-    assert h.events() == []
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_WRITE_FAILED)]
     h.write(tp=1, outcome=WRITTEN)  # it had already posted
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_WRITE_FAILED)]
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_failures_total", {"reason": "END_REASON_WRITE_FAILED"}) == 1
+
+
+def test_a_ranks_reason_for_not_writing_becomes_the_attempts_end_reason():
+    h = Harness(early=True)
+    h.register()
+    h.messages()
+    # The rank's own prefill computed too few tokens for the early order.
+    assert h.write(outcome=REVOKED, reason=S.END_REASON_TOKEN_COUNT_MISMATCH) == S.TRANSFER_STATE_FAILED
+    transfer = h.broker.get_transfer("t1", 1)
+    assert (transfer.end_reason, transfer.fenced) == (S.END_REASON_TOKEN_COUNT_MISMATCH, True)  # its only rank answered
+    assert h.events() == [("t1", 1, ENDED, S.END_REASON_TOKEN_COUNT_MISMATCH)]
+    assert h.kinds() == [("closed", "t1", 1)]  # nothing is left to revoke
+    assert h.broker.metrics.registry.get_sample_value("kvpush_broker_failures_total", {"reason": "END_REASON_TOKEN_COUNT_MISMATCH"}) == 1
+    expect(errors.InvalidArgument, Reason.FIELD_INVALID, "reason", lambda: h.write("t9", outcome=FAILED, reason=99))
 
 
 def test_a_write_result_from_a_rank_without_an_order_is_refused():
@@ -266,6 +336,192 @@ def test_a_write_result_from_a_rank_without_an_order_is_refused():
     h.prefill_done()
     expect(errors.InvalidArgument, Reason.FIELD_INVALID, "tp_rank", h.write, tp=1)
     expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "key", h.write, transfer_id="t9")
+
+
+# ----- fencing by time -----
+
+
+def test_a_rank_still_attached_is_fenced_by_its_order_budget_plus_write_timeout():
+    h = Harness(p_tp=2, d_tp=2)
+    start = h.clock.now()
+    h.register(timeout_s=60)
+    h.prefill_done(timeout_s=60)
+    h.cancel()
+    h.write(tp=0, outcome=REVOKED)
+    # Rank 1 never answers, but its stream stays attached: it may post until the order's budget end.
+    bound = start + 60 + WRITE_TIMEOUT + FENCE_MARGIN
+    h.clock.advance(bound - start - 0.5)
+    h.broker.tick()
+    assert not h.fenced() and h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
+    h.advance(0.5)
+    assert h.fenced() and h.events() == [("t1", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+    timeline = h.broker.get_transfer("t1", 1).timeline
+    assert [e.detail for e in timeline if e.kind == S.TIMELINE_ENTRY_KIND_WRITE_RESULT][-1] == f"{P} tp 1 pp 0 no answer: fenced by time"
+    h.write(tp=1, outcome=REVOKED)  # a late answer is still taken
+
+
+def test_a_rank_whose_stream_ended_is_fenced_by_its_stream_lease_plus_write_timeout():
+    h = Harness(p_tp=2, d_tp=2)
+    h.register(timeout_s=60)
+    h.prefill_done(timeout_s=60)
+    h.unsubscribe_producer(1)  # rank 1 acts on nothing it got once stream_lease passed without a message
+    quiet = h.clock.now()
+    h.clock.advance(1)
+    h.cancel()
+    h.write(tp=0, outcome=REVOKED)
+    bound = quiet + STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN
+    assert h.broker.tick() == bound
+    h.clock.advance(bound - h.clock.now() - 0.5)
+    h.broker.tick()
+    assert not h.fenced()
+    h.advance(0.5)
+    assert h.fenced()
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER), ("t1", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+
+
+def test_a_rank_that_resubscribes_is_attached_again_and_gets_its_revocation():
+    h = Harness()
+    h.register(timeout_s=60)
+    h.prefill_done(timeout_s=60)
+    h.messages()
+    h.unsubscribe_producer(0)
+    h.cancel()
+    h.subscribe_producer(0, early=False)
+    assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
+    h.clock.advance(STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN)
+    h.broker.tick()
+    assert not h.fenced()  # attached again: only its budget end bounds it
+    h.write(outcome=REVOKED)
+    assert h.fenced()
+
+
+def test_the_order_budget_bounds_fencing_when_it_ends_before_the_stream_lease():
+    h = Harness()
+    start = h.clock.now()
+    h.register(timeout_s=2)
+    h.prefill_done()
+    h.messages()
+    h.unsubscribe_producer(0)  # stream lease bound: start + 3; the budget ends at start + 2
+    assert h.advance(2) == start + 2 + WRITE_TIMEOUT + FENCE_MARGIN
+    assert h.state() == S.TRANSFER_STATE_FAILED
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_REGISTRATION_DEADLINE_EXCEEDED)]
+    h.advance(3.5)
+    assert not h.fenced()
+    h.advance(0.5)
+    assert h.fenced() and h.events() == [("t1", 1, ENDED, S.END_REASON_REGISTRATION_DEADLINE_EXCEEDED)]
+
+
+# ----- the startup grace -----
+
+
+def test_a_new_broker_fences_nothing_with_orders_or_a_destination_during_its_startup_grace():
+    h = Harness(past_grace=False)
+    grace_end = h.clock.now() + h.config.startup_grace_s
+    assert h.config.startup_grace_s == STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN
+    h.register("t1")
+    h.prefill_done("t1")
+    h.messages()
+    h.cancel("t1")
+    h.write("t1", outcome=REVOKED)  # even every answer in: a predecessor's order for the key may still be acted on
+    h.register("t2")
+    h.cancel("t2")  # a destination, no orders
+    h.prefill_done("t3")
+    h.cancel("t3")  # neither: nothing of it can be written anywhere
+    assert (h.fenced("t1"), h.fenced("t2"), h.fenced("t3")) == (False, False, True)
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER), ("t2", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
+    assert not h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), Actor.ROUTER).fenced
+    assert h.broker.tick() == grace_end
+    h.advance(grace_end - h.clock.now() - 0.5)
+    assert not h.fenced("t1")
+    h.advance(0.5)
+    assert h.fenced("t1") and h.fenced("t2")
+    assert sorted(h.events()) == [("t1", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER), ("t2", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+
+
+def test_refusals_during_the_startup_grace_vouch_for_nothing_and_leave_no_tombstone():
+    h = Harness(past_grace=False)
+    error = expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[2]", h.register, first_block=998)
+    assert error.metadata["fenced"] == "false"
+    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t1", 1)
+    h.clock.advance(h.config.startup_grace_s)
+    error = expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[2]", h.register, first_block=998)
+    assert error.metadata["fenced"] == "true"
+    transfer = h.broker.get_transfer("t1", 1)
+    assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_FAILED, S.END_REASON_REGISTRATION_REFUSED, True)
+
+
+# ----- refusals the decode side may act on -----
+
+
+def test_a_refused_registration_is_remembered_until_its_deadline_so_a_late_copy_is_refused_too():
+    h = Harness(config=BrokerConfig(retention_s=5.0))
+    request = h.destination(first_block=998, timeout_s=20)
+    error = expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[2]", h.broker.register_destination, request, D)
+    assert error.metadata == {"field": "destination.blocks[0].block_ids[2]", "fenced": "true"}
+    transfer = h.broker.get_transfer("t1", 1)
+    assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_FAILED, S.END_REASON_REGISTRATION_REFUSED, True)
+    assert "is not below num_blocks" in transfer.detail
+    assert h.events() == [] and h.kinds() == []  # the refusal itself told the decode side
+    h.advance(10)
+    late = expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.broker.register_destination, request, D)
+    assert late.metadata["fenced"] == "true"
+    corrected = expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, timeout_s=20)
+    assert corrected.metadata["fenced"] == "true"
+    # Each copy keeps the tombstone until its own deadline (past retention).
+    assert h.broker.tick() == h.clock.now() + 20
+    h.advance(19.5)
+    assert h.state() == S.TRANSFER_STATE_FAILED
+    h.advance(0.5)
+    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t1", 1)
+    assert h.broker.remembered_attempts == 0 and h.broker.memory_sizes["transfers"] == 0
+
+
+def test_a_refusal_of_an_older_unknown_attempt_is_remembered_as_superseded():
+    h = Harness()
+    h.register(attempt=2)
+    error = expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.register, attempt=1)
+    assert error.metadata["fenced"] == "true"
+    transfer = h.broker.get_transfer("t1", 1)
+    assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_SUPERSEDED, S.END_REASON_SUPERSEDED, True)
+    assert h.broker.newest_attempt("t1") == 2
+    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, attempt=1)  # a late copy
+    assert h.state(attempt=2) == S.TRANSFER_STATE_WAITING_FOR_PREFILL
+    assert h.events() == []
+
+
+def test_a_refused_registration_of_a_new_attempt_still_supersedes_the_older_ones():
+    h = Harness()
+    h.register(attempt=1)
+    expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[2]", h.register, attempt=2, first_block=998)
+    assert h.state(attempt=2) == S.TRANSFER_STATE_FAILED
+    assert h.state(attempt=1) == S.TRANSFER_STATE_SUPERSEDED
+    assert h.broker.newest_attempt("t1") == 2
+    assert h.events() == [("t1", 1, ENDED, S.END_REASON_SUPERSEDED)]
+
+
+def test_refusals_of_what_no_broker_accepts_from_this_caller_vouch_without_a_tombstone():
+    h = Harness()
+    error = expect(errors.InvalidArgument, Reason.FIELD_INVALID, "key.transfer_id", h.register, transfer_id="t 1")
+    assert error.metadata["fenced"] == "true"
+    request = h.destination(decode_engine_id="decode-1")  # not the caller's blocks
+    error = expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "destination.engine_id", h.broker.register_destination, request, D)
+    assert error.metadata["fenced"] == "true"
+    assert h.broker.remembered_attempts == 0
+
+
+def test_a_refusal_the_broker_cannot_remember_vouches_for_nothing():
+    h = Harness(config=BrokerConfig(max_unsettled_attempts=1))
+    h.register("t1")
+    error = expect(errors.ResourceExhausted, Reason.TOO_MANY_TRANSFERS, "key", h.register, "t2")
+    assert error.metadata["fenced"] == "false"  # its blocks wait for their deadline and hold margin
+
+
+def test_a_refused_second_arrival_repeats_its_refusal_and_its_fencing():
+    h = Harness()
+    h.prefill_done(num_tokens=32)
+    first = expect(errors.FailedPrecondition, Reason.TOKEN_COUNT_MISMATCH, "destination.num_tokens", h.register, num_tokens=40)
+    again = expect(errors.FailedPrecondition, Reason.TOKEN_COUNT_MISMATCH, "destination.num_tokens", h.register, num_tokens=40)
+    assert first.metadata["fenced"] == again.metadata["fenced"] == "true"  # no order was sent
 
 
 # ----- cancel -----
@@ -285,12 +541,14 @@ def test_cancel_by_each_actor(actor, caller, reason):
     h.prefill_done()
     h.messages()
     response = h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), actor, "client left", caller)
-    assert response.state == S.TRANSFER_STATE_CANCELLED
+    assert (response.state, response.fenced) == (S.TRANSFER_STATE_CANCELLED, False)
     transfer = h.broker.get_transfer("t1", 1)
     assert (transfer.end_reason, transfer.detail) == (reason, "client left")
     assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
+    assert h.events() == [("t1", 1, FAILED_EVENT, reason)]
     h.write(outcome=REVOKED)
     assert h.events() == [("t1", 1, ENDED, reason)]
+    assert h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), actor, "again", caller).fenced
     expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, num_tokens=48)
 
 
@@ -308,13 +566,51 @@ def test_cancelling_every_attempt_and_unknown_attempts():
     h = Harness()
     h.register(attempt=1)
     h.prefill_done(attempt=2)
-    assert h.broker.cancel(tr_pb.TransferKey(transfer_id="t1"), Actor.ROUTER).state == S.TRANSFER_STATE_CANCELLED
+    response = h.broker.cancel(tr_pb.TransferKey(transfer_id="t1"), Actor.ROUTER)
+    assert (response.state, response.fenced) == (S.TRANSFER_STATE_CANCELLED, True)
     assert h.state(attempt=1) == S.TRANSFER_STATE_SUPERSEDED
     expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "key.transfer_id", h.broker.cancel, tr_pb.TransferKey(transfer_id="t9"), Actor.ROUTER)
-    # Cancelling an attempt nobody reported yet refuses its late messages.
-    h.broker.cancel(tr_pb.TransferKey(transfer_id="t2", attempt=1), Actor.ROUTER)
-    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, transfer_id="t2")
-    assert h.kinds() == [("closed", "t1", 1), ("closed", "t1", 2)]
+    # The router cancelling an attempt nobody reported yet refuses its late messages and supersedes older ones.
+    h.register("t2", attempt=1)
+    h.broker.cancel(tr_pb.TransferKey(transfer_id="t2", attempt=2), Actor.ROUTER)
+    assert h.state("t2", attempt=1) == S.TRANSFER_STATE_SUPERSEDED
+    assert h.broker.newest_attempt("t2") == 2
+    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, transfer_id="t2", attempt=2)
+    assert h.kinds() == [("closed", "t1", 1), ("closed", "t1", 2), ("closed", "t2", 1)]
+
+
+def test_an_engines_cancel_of_an_unseen_attempt_is_a_tombstone_that_supersedes_nothing():
+    h = Harness()
+    h.register(attempt=1)
+    response = h.cancel(attempt=2, actor=Actor.DECODE, caller=D)
+    assert (response.state, response.fenced) == (S.TRANSFER_STATE_CANCELLED, True)
+    # Attempt 1 lives on: an engine acts for itself only.
+    assert h.state(attempt=1) == S.TRANSFER_STATE_WAITING_FOR_PREFILL
+    assert h.broker.newest_attempt("t1") == 1
+    error = expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, attempt=2)  # its late registration
+    assert error.metadata["fenced"] == "true"
+    h.prefill_done(attempt=1)
+    assert h.write(attempt=1) == S.TRANSFER_STATE_DONE
+    # The same for the prefill side; an attempt older than the newest is superseded already.
+    h.register("t2", attempt=1)
+    h.cancel("t2", attempt=3, actor=Actor.PREFILL, caller=P)
+    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, "t2", attempt=3)
+    assert h.state("t2", attempt=1) == S.TRANSFER_STATE_WAITING_FOR_PREFILL
+    h.register("t3", attempt=2)
+    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.cancel, "t3", attempt=1, actor=Actor.DECODE, caller=D)
+    # Only the router's cancel supersedes.
+    h.cancel("t2", attempt=4)
+    assert h.state("t2", attempt=1) == S.TRANSFER_STATE_SUPERSEDED
+
+
+def test_an_engines_tombstone_is_not_the_transfers_newest_attempt_for_queries_either():
+    h = Harness()
+    h.register(attempt=1)
+    h.cancel(attempt=2, actor=Actor.DECODE, caller=D)
+    assert h.broker.newest_attempt("t1") == 1
+    # GetTransfer's attempt 0 means the newest attempt: the live one, not the engine's tombstone.
+    transfer = h.broker.get_transfer("t1", 0)
+    assert (transfer.key.attempt, transfer.state) == (1, S.TRANSFER_STATE_WAITING_FOR_PREFILL)
 
 
 # ----- deadlines -----
@@ -324,10 +620,10 @@ def test_registration_deadline_fails_the_attempt_and_tick_says_when():
     h = Harness()
     h.register(timeout_s=5)
     assert h.broker.tick() == h.clock.now() + 5
-    h.clock.advance(4.999)
+    h.clock.advance(4.5)
     h.broker.tick()
     assert h.state() == S.TRANSFER_STATE_WAITING_FOR_PREFILL
-    h.clock.advance(0.001)
+    h.clock.advance(0.5)
     h.broker.tick()
     assert h.state() == S.TRANSFER_STATE_FAILED
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_REGISTRATION_DEADLINE_EXCEEDED)]
@@ -341,10 +637,11 @@ def test_prefill_deadline_when_it_is_the_earlier():
     h.register(timeout_s=30)
     h.messages()
     h.clock.advance(3)
-    assert h.broker.tick() is None  # nothing is due until the rank answers
+    # Nothing more is due until the rank answers or its order's bound passes.
+    assert h.broker.tick() == h.clock.now() + WRITE_TIMEOUT + FENCE_MARGIN
     assert h.state() == S.TRANSFER_STATE_FAILED
     assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_PREFILL_DEADLINE_EXCEEDED
-    assert h.events() == []  # the order is unanswered
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_PREFILL_DEADLINE_EXCEEDED)]  # the order is unanswered
     h.write(outcome=REVOKED)
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_PREFILL_DEADLINE_EXCEEDED)]
 
@@ -359,18 +656,119 @@ def test_wakeup_is_called_only_for_an_earlier_deadline():
     assert wakes == [h.clock.now() + 10, h.clock.now() + 5]
 
 
+def test_the_registrations_own_deadline_less_the_skew_allowance_bounds_the_attempt():
+    h = Harness()
+    start = h.clock.now()
+    response = h.register(timeout_s=30, deadline_in=10)
+    assert response.deadline == timestamp(h.clock.wall() + 10 - SKEW)
+    h.prefill_done()
+    [message] = h.messages()
+    assert seconds(message.order.write_budget) == 10 - 2 * SKEW  # the rank's clock may run ahead too
+    assert h.broker.tick() == start + 10 - SKEW
+    h.advance(9.5)
+    assert h.state() == S.TRANSFER_STATE_MATCHED
+    h.advance(0.25)
+    transfer = h.broker.get_transfer("t1", 1)
+    assert (transfer.state, transfer.end_reason) == (S.TRANSFER_STATE_FAILED, S.END_REASON_REGISTRATION_DEADLINE_EXCEEDED)
+    # The timeout still counts when it ends first.
+    assert h.register("t2", timeout_s=5, deadline_in=60).deadline == timestamp(h.clock.wall() + 5)
+
+
+@pytest.mark.parametrize("deadline_in", [SKEW, 0.1, -5.0], ids=["within the skew allowance", "sooner", "in the past"])
+def test_a_registration_whose_deadline_has_passed_is_refused(deadline_in):
+    h = Harness()
+    error = expect(errors.FailedPrecondition, Reason.DEADLINE_PASSED, "deadline", h.register, deadline_in=deadline_in)
+    assert error.metadata["fenced"] == "true"
+    assert h.state() == S.TRANSFER_STATE_FAILED  # remembered: a late copy is refused too
+    assert h.broker.live_attempts == 0
+
+
+def test_a_deadline_too_close_for_any_write_sends_no_order():
+    h = Harness(early=True)
+    h.register(deadline_in=0.4)  # accepted, but under the skew allowance is left for a write
+    h.prefill_done()
+    assert h.messages() == []
+    h.advance(0.2)
+    assert h.state() == S.TRANSFER_STATE_FAILED
+    assert h.events() == [("t1", 1, ENDED, S.END_REASON_REGISTRATION_DEADLINE_EXCEEDED)]  # nothing ordered: fenced at once
+
+
+# ----- the decode side's hold margin -----
+
+
+def test_a_hold_margin_shortens_the_write_timeout_of_the_attempts_orders_and_its_fencing_bound():
+    h = Harness()
+    h.register(hold_margin=2.5)
+    h.prefill_done()
+    [message] = h.messages()
+    assert seconds(message.order.write_timeout) == 2.5 - FENCE_MARGIN
+    h.unsubscribe_producer(0)
+    h.cancel()
+    assert h.broker.tick() == h.clock.now() + STREAM_LEASE + (2.5 - FENCE_MARGIN) + FENCE_MARGIN
+    # A hold margin with room for the broker's own write timeout leaves it alone.
+    h.subscribe_producer(0, early=False)
+    h.register("t2", hold_margin=60)
+    h.prefill_done("t2")
+    assert [seconds(m.order.write_timeout) for m in h.messages() if m.HasField("order")] == [WRITE_TIMEOUT]
+
+
+@pytest.mark.parametrize(
+    "hold_margin, reason",
+    [(FENCE_MARGIN + 0.05, Reason.FIELD_OUT_OF_RANGE), (601.0, Reason.FIELD_OUT_OF_RANGE), (0.0, Reason.FIELD_REQUIRED)],
+    ids=["no room for a write", "too long", "zero"],
+)
+def test_a_hold_margin_without_room_for_a_write_is_refused(hold_margin, reason):
+    h = Harness()
+    expect(errors.InvalidArgument, reason, "hold_margin", h.register, hold_margin=hold_margin)
+
+
 # ----- engine loss -----
 
 
-def test_losing_the_prefill_engine_fails_and_fences_at_once():
+def test_losing_the_prefill_engine_fails_the_attempt_at_once_and_fences_it_by_time():
     h = Harness()
     h.register()
     h.prefill_done()
-    h.registrar.end_leases(h.leases[P], RemovalReason.KEEPALIVE_STREAM_CLOSED)
+    h.messages()
+    lost = h.clock.now()
+    h.registrar.deregister(h.leases[P][0])
     transfer = h.broker.get_transfer("t1", 1)
-    assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_FAILED, S.END_REASON_PREFILL_ENGINE_LOST, True)
-    assert h.events() == [("t1", 1, ENDED, S.END_REASON_PREFILL_ENGINE_LOST)]
+    assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_FAILED, S.END_REASON_PREFILL_ENGINE_LOST, False)
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_PREFILL_ENGINE_LOST)]
     assert not h.producers[0].active  # its stream ends
+    # The lost rank may still post what it got until its stream lease ran out; that WRITE is aborted within write_timeout.
+    bound = lost + STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN
+    assert h.broker.tick() == bound
+    h.advance(bound - lost - 0.5)
+    assert h.events() == []
+    h.advance(0.5)
+    assert h.events() == [("t1", 1, ENDED, S.END_REASON_PREFILL_ENGINE_LOST)]
+
+
+def test_a_lost_ranks_own_answer_still_fences_at_once():
+    h = Harness()
+    h.register()
+    h.prefill_done()
+    h.registrar.deregister(h.leases[P][0])
+    h.events()
+    h.write(outcome=REVOKED)
+    assert h.fenced() and h.events() == [("t1", 1, ENDED, S.END_REASON_PREFILL_ENGINE_LOST)]
+
+
+def test_a_lapsed_prefill_lease_fails_the_attempt_and_fences_it_by_time():
+    h = Harness()
+    h.register(timeout_s=120)
+    h.prefill_done(timeout_s=120)
+    h.messages()
+    h.clock.advance(29)
+    h.registrar.keep_alive(h.leases[D])
+    h.clock.advance(1)
+    h.registrar.sweep()
+    assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_PREFILL_ENGINE_LOST
+    assert "LEASE_EXPIRED" in h.broker.get_transfer("t1", 1).detail
+    assert not h.fenced()
+    h.advance(STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN)
+    assert h.fenced()
 
 
 def test_losing_the_decode_engine_revokes_orders():
@@ -381,19 +779,164 @@ def test_losing_the_decode_engine_revokes_orders():
     h.registrar.deregister(h.leases[D][0])
     assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_DECODE_ENGINE_LOST
     assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
+    assert not h.decode.active
     h.write(outcome=REVOKED)
-    assert h.broker.get_transfer("t1", 1).fenced
+    assert h.fenced()
 
 
-def test_a_lost_producer_counts_as_fenced():
+def test_a_lost_producer_among_two_is_fenced_by_time_not_at_once():
     h = Harness(p_tp=2, d_tp=2)
     h.register()
     h.prefill_done()
-    h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), Actor.ROUTER)
+    h.cancel()
     h.write(tp=0, outcome=REVOKED)
-    assert h.events() == []
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
     h.registrar.deregister(h.leases[P][1])
+    assert h.events() == []  # rank 1 may still have a WRITE in flight
+    h.advance(STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN)
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+
+
+# ----- streams: resyncs, overflow, heartbeats -----
+
+
+def test_a_new_stream_gets_every_unanswered_order_again_with_the_budget_left():
+    h = Harness()
+    for transfer_id in ("t1", "t2"):
+        h.register(transfer_id)
+        h.prefill_done(transfer_id)
+    assert [k for k, _, _ in h.kinds()] == ["order", "order"]
+    h.write("t2")
+    h.messages()
+    h.clock.advance(5)
+    old = h.producers[0]
+    new = h.subscribe_producer(0, early=False)
+    assert not old.active and new.active
+    [message] = new.outbox.drain()  # t2 was answered: nothing owed
+    assert message.order.key.transfer_id == "t1" and message.order.HasField("source")
+    assert seconds(message.order.write_budget) == 30 - 5 - SKEW
+    assert message.send_time == timestamp(h.clock.wall())
+    assert h.broker.metrics.registry.get_sample_value("kvpush_broker_orders_sent_total") == 2  # a resend is no new order
+
+
+def test_a_new_stream_gets_the_revocations_and_closures_still_owed_for_ended_unfenced_attempts():
+    h = Harness(p_tp=2, d_tp=1, heads=1)  # rank 0 writes the one head; rank 1 gets no order
+    h.register(timeout_s=60)
+    h.prefill_done(timeout_s=60)
+    h.messages(0), h.messages(1)
+    ended = [h.producers[0], h.producers[1]]
+    h.unsubscribe_producer(0)
+    h.unsubscribe_producer(1)
+    h.cancel()
+    assert [s.outbox.drain() for s in ended] == [[], []]  # nothing is queued without a stream
+    h.subscribe_producer(0, early=False)
+    h.subscribe_producer(1, early=False)
+    assert h.kinds(0) == [("revocation", "t1", 1), ("closed", "t1", 1)]
+    assert h.kinds(1) == [("closed", "t1", 1)]
+    h.write(outcome=REVOKED)
+    assert h.fenced()
+    h.subscribe_producer(0, early=False)
+    h.subscribe_producer(1, early=False)
+    assert h.kinds(0) == h.kinds(1) == []  # settled: nothing is owed any more
+
+
+def test_a_new_stream_asking_for_early_orders_gets_those_of_attempts_waiting_for_prefill():
+    h = Harness(early=False)
+    h.register("t1")
+    h.clock.advance(1)
+    h.register("t2")
+    h.prefill_done("t2")
+    assert h.kinds() == [("order", "t2", 1)]
+    h.subscribe_producer(0, early=False)
+    assert h.kinds() == [("order", "t2", 1)]  # no early orders asked for: only what is owed
+    h.subscribe_producer(0, early=True)
+    messages = h.messages()
+    assert [(m.order.key.transfer_id, m.order.HasField("source")) for m in messages] == [("t1", False), ("t2", True)]
+    # Once sent, an early order is owed like any other, and prefill-done sends no second one.
+    h.subscribe_producer(0, early=False)
+    assert [(m.order.key.transfer_id, m.order.HasField("source")) for m in h.messages()] == [("t1", False), ("t2", True)]
+    h.prefill_done("t1")
+    assert h.messages() == []
+    assert h.broker.metrics.registry.get_sample_value("kvpush_broker_orders_sent_total") == 2
+
+
+def test_a_decode_engines_new_stream_gets_its_recent_final_events_again_and_failed_for_unfenced_ones():
+    h = Harness()
+    h.register("t1")
+    h.prefill_done("t1")
+    h.write("t1")  # COMPLETED
+    h.register("t2")
+    h.cancel("t2")  # ENDED: nothing ordered
+    h.register("t3")
+    h.prefill_done("t3")
+    h.cancel("t3")  # FAILED: its order is unanswered
+    expected = [("t1", 1, COMPLETED, S.END_REASON_COMPLETED), ("t2", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER), ("t3", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
+    assert h.events() == expected
+    old = h.decode
+    h.subscribe_decode()
+    assert not old.active
+    assert h.events() == expected
+    # Without a stream nothing is queued; the next stream learns what it missed.
+    h.broker.unsubscribe(h.decode)
+    h.write("t3", outcome=REVOKED)
+    h.register("t4")
+    h.prefill_done("t4")
+    h.cancel("t4")
+    h.subscribe_decode()
+    assert h.events() == [
+        ("t1", 1, COMPLETED, S.END_REASON_COMPLETED),
+        ("t2", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER),
+        ("t3", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER),
+        ("t4", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER),
+    ]
+
+
+def test_a_stream_whose_outbox_would_overflow_is_closed_and_its_next_stream_resyncs():
+    h = Harness(config=BrokerConfig(outbox_capacity=2))
+    for transfer_id in ("t1", "t2"):
+        h.register(transfer_id)
+        h.prefill_done(transfer_id)
+    old = h.producers[0]
+    assert old.active
+    h.write("t1")  # t1's closure would be a third message
+    assert not old.active and old.outbox.closed and old.outbox.dropped == 1
+    assert [m.order.key.transfer_id for m in old.outbox.drain()] == ["t1", "t2"]  # nothing queued was dropped
+    h.unsubscribe_producer(0)
+    h.subscribe_producer(0, early=False)
+    assert h.producers[0].active
+    assert h.kinds() == [("order", "t2", 1)]
+
+
+def test_a_decode_stream_that_overflowed_gets_a_stream_that_lives_after_its_resync():
+    h = Harness(config=BrokerConfig(outbox_capacity=4))
+    for i in range(5):
+        h.register(f"t{i}")
+        h.prefill_done(f"t{i}")
+        h.write(f"t{i}")
+    assert not h.decode.active
+    h.broker.unsubscribe(h.decode)
+    h.subscribe_decode()
+    # The resync must fit the new stream, or the decode engine never holds a stream again.
+    assert h.decode.active
+    assert ("t4", 1, COMPLETED, S.END_REASON_COMPLETED) in h.events()
+
+
+def test_every_message_to_a_producer_carries_its_send_time_and_stream_lease_and_heartbeats_renew_it():
+    h = Harness()
+    h.register()
+    h.prefill_done()
+    h.clock.advance(1.5)
+    h.cancel()
+    messages = h.messages()
+    assert [m.WhichOneof("message") for m in messages] == ["order", "revocation", "closed"]
+    assert [m.send_time for m in messages] == [timestamp(h.clock.wall() - 1.5), timestamp(h.clock.wall()), timestamp(h.clock.wall())]
+    assert {seconds(m.stream_lease) for m in messages} == {STREAM_LEASE - SKEW}
+    assert messages[1].revocation.reason == S.END_REASON_CANCELLED_BY_ROUTER
+    assert (messages[2].closed.state, messages[2].closed.reason) == (S.TRANSFER_STATE_CANCELLED, S.END_REASON_CANCELLED_BY_ROUTER)
+    heartbeat = h.broker.heartbeat()
+    assert heartbeat.WhichOneof("message") == "heartbeat"
+    assert heartbeat.send_time == timestamp(h.clock.wall()) and seconds(heartbeat.stream_lease) == STREAM_LEASE - SKEW
+    assert h.broker.heartbeat_interval_s == STREAM_LEASE / 3  # several heartbeats per lease
 
 
 # ----- validation -----
@@ -434,23 +977,25 @@ def test_bad_destinations(crowded: Harness, change, error_type, reason, field):
     transfer_id = change.pop("transfer_id", "t1")
     attempt = change.pop("attempt", 1)
     request = sample.destination_request(transfer_id, attempt, **change)
-    expect(error_type, reason, field, crowded.broker.register_destination, request, D)
+    error = expect(error_type, reason, field, crowded.broker.register_destination, request, D)
+    assert error.metadata["fenced"] == "true"  # no WRITE can land in the blocks it named
     assert crowded.broker.live_attempts == 0
 
 
 def test_bad_block_lists():
-    h = Harness()
+    h = Harness()  # each refused registration is remembered (a tombstone), so each uses its own transfer
     request = sample.destination_request("t1")
     request.destination.blocks[0].group_index = 3
     expect(errors.InvalidArgument, Reason.FIELD_INVALID, "destination.blocks[0].group_index", h.broker.register_destination, request, D)
-    request = sample.destination_request("t1")
+    request = sample.destination_request("t2")
     del request.destination.blocks[0].block_ids[-1]
     expect(errors.InvalidArgument, Reason.FIELD_INVALID, "destination.blocks[0].block_ids", h.broker.register_destination, request, D)
-    request = sample.destination_request("t1")
+    request = sample.destination_request("t3")
     del request.destination.blocks[:]
     expect(errors.InvalidArgument, Reason.FIELD_REQUIRED, "destination.blocks", h.broker.register_destination, request, D)
-    request = sample.prefill_done_request("t1", first_block=999)
+    request = sample.prefill_done_request("t4", first_block=999)
     expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "source.blocks[0].block_ids[1]", h.broker.report_prefill_done, request, P)
+    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t4")  # a refused prefill-done leaves nothing
 
 
 def test_prefill_done_validation(crowded: Harness):
@@ -484,6 +1029,7 @@ def test_too_few_prefill_tokens_fail_the_attempt_and_tell_both_sides():
     transfer = h.broker.get_transfer("t1", 1)
     assert (transfer.state, transfer.end_reason) == (S.TRANSFER_STATE_FAILED, S.END_REASON_TOKEN_COUNT_MISMATCH)
     assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
+    assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_TOKEN_COUNT_MISMATCH)]
     h.write(outcome=REVOKED)
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_TOKEN_COUNT_MISMATCH)]
 
@@ -524,31 +1070,54 @@ def test_subscriptions_are_validated():
 # ----- memory bounds -----
 
 
-def test_settled_attempts_age_out_but_supersession_tombstones_last_while_newer_ones_live():
+def test_settled_attempts_age_out_after_retention_and_their_registrations_deadline():
     h = Harness(config=BrokerConfig(retention_s=10.0))
-    h.register(attempt=1)
+    h.register(attempt=1)  # deadline: now + 30
     h.register(attempt=2, timeout_s=100)  # supersedes attempt 1, which settles at once
-    assert h.broker.tick() == h.clock.now() + 10
-    h.clock.advance(10)
-    h.broker.tick()
+    assert h.broker.tick() == h.clock.now() + 30  # kept past retention until its registration's deadline
+    h.advance(10)
+    assert h.state(attempt=1) == S.TRANSFER_STATE_SUPERSEDED
+    h.advance(20)
     expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "attempt", h.broker.get_transfer, "t1", 1)
-    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.register, attempt=1)
+    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.register, attempt=1)  # the newest attempt still refuses it
     h.prefill_done(attempt=2)
     h.write(attempt=2)
-    h.clock.advance(10)
-    h.broker.tick()
+    h.advance(10)
+    assert h.state(attempt=2) == S.TRANSFER_STATE_DONE  # its registration's deadline is 70 s away
+    h.advance(70)
     expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t1", 0)
     assert h.broker.remembered_attempts == 0
 
 
-def test_the_number_of_settled_attempts_kept_is_capped():
-    h = Harness(config=BrokerConfig(retention_s=1000.0, max_retained_attempts=2))
+def test_a_completed_attempt_answers_repeats_of_its_registration_until_its_deadline():
+    h = Harness(config=BrokerConfig(retention_s=5.0))
+    h.register(timeout_s=20)
+    h.prefill_done()
+    h.write()
+    assert h.broker.tick() == h.clock.now() + 20
+    h.advance(19.5)
+    assert h.register(timeout_s=20).state == S.TRANSFER_STATE_DONE
+    h.advance(0.5)
+    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t1", 1)
+
+
+def test_the_number_of_settled_attempts_kept_is_capped_once_their_deadlines_passed():
+    h = Harness(config=BrokerConfig(retention_s=1000.0, max_retained_attempts=2, max_unsettled_attempts=2))
     for i in range(3):
-        h.register(f"t{i}")
-        h.broker.cancel(tr_pb.TransferKey(transfer_id=f"t{i}", attempt=1), Actor.ROUTER)
+        h.register(f"t{i}", timeout_s=10)
+        h.cancel(f"t{i}")
     h.broker.tick()
+    assert h.broker.remembered_attempts == 3  # each refuses late copies of its registration until its deadline
+    h.register("t3", timeout_s=10)
+    h.cancel("t3")
+    # The hard bound: settled attempts past the cap plus the unsettled cap refuse new ones.
+    expect(errors.ResourceExhausted, Reason.TOO_MANY_TRANSFERS, "key", h.register, "t4")
+    h.advance(10)
     assert h.broker.remembered_attempts == 2
     expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t0")
+    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "transfer_id", h.broker.get_transfer, "t1")
+    assert h.state("t3") == S.TRANSFER_STATE_CANCELLED
+    h.register("t4")
 
 
 def test_too_many_unsettled_attempts_are_refused():
@@ -563,6 +1132,47 @@ def test_too_many_unsettled_attempts_are_refused():
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_live_attempts") == 2
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_pending_registrations") == 1
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_pending_prefill_dones") == 1
+
+
+def test_every_table_shrinks_back_once_everything_settled_and_aged_out():
+    h = Harness(p_tp=2, d_tp=2, config=BrokerConfig(retention_s=5.0))
+    lease = h.registrar.register(sample.rank_request("prefill-1", sample.PREFILL)).lease_id
+    baseline = h.broker.memory_sizes
+    assert baseline == {
+        "transfers": 0,
+        "remembered_attempts": 0,
+        "timers": 0,
+        "engines_indexed": 0,
+        "producer_mailboxes": 2,
+        "decode_mailboxes": 1,
+        "engine_infos": 2,
+    }
+    h.register("done")  # completed
+    h.prefill_done("done")
+    h.write("done", tp=0)
+    h.write("done", tp=1)
+    h.register("sup", 1)  # superseded with unanswered orders: fenced by time
+    h.prefill_done("sup", 1)
+    h.register("sup", 2, first_block=10)
+    h.register("cancelled")  # cancelled, one rank answers, the other lost its stream
+    h.prefill_done("cancelled")
+    h.unsubscribe_producer(1)
+    h.cancel("cancelled")
+    h.write("cancelled", tp=0, outcome=REVOKED)
+    h.register("expired", timeout_s=2)
+    h.cancel("unseen", 3, Actor.DECODE, D)
+    expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[2]", h.register, "refused", first_block=998)
+    expect(errors.FailedPrecondition, Reason.DEADLINE_PASSED, "deadline", h.register, "late", deadline_in=-1)
+    # An attempt with an engine that leaves, its order unanswered.
+    h.broker.subscribe_producer(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-1", incarnation="inc-1"), "prefill-1")
+    h.broker.register_destination(sample.destination_request("lost", prefill_engine_id="prefill-1"), D)
+    h.broker.report_prefill_done(sample.prefill_done_request("lost", prefill_engine_id="prefill-1"), "prefill-1")
+    h.registrar.deregister(lease)
+    assert h.broker.unsettled_attempts > 0 and h.broker.memory_sizes["transfers"] == 8
+    for _ in range(100):  # past every deadline, fencing bound, keep_until and retention
+        h.advance(10)
+    assert h.broker.unsettled_attempts == 0
+    assert h.broker.memory_sizes == baseline
 
 
 # ----- tracing -----

@@ -275,12 +275,61 @@ def test_deregistering_one_rank_leaves_a_partial_engine(registrar: RegistrarCore
     expect(errors.InvalidArgument, Reason.FIELD_REQUIRED, "lease_id", registrar.deregister, "")
 
 
-def test_ending_leases_removes_their_ranks_at_once(registrar: RegistrarCore, removals):
+def test_a_lease_ends_only_by_time_or_deregistration(registrar: RegistrarCore, clock: ManualClock, removals):
+    # Like an etcd lease: a KeepAlive stream that ends does not end it, so nothing but TTL or Deregister can.
+    assert not hasattr(registrar, "end_leases")
+    assert not hasattr(RemovalReason, "KEEPALIVE_STREAM_CLOSED")
     lease = registrar.register(sample.rank_request("prefill-0", sample.PREFILL)).lease_id
-    registrar.end_leases([lease, "unknown"], RemovalReason.KEEPALIVE_STREAM_CLOSED)
-    assert registrar.get_engine("prefill-0") is None
-    assert removals == [("prefill-0", "inc-1", RemovalReason.KEEPALIVE_STREAM_CLOSED)]
+    clock.advance(9.5)
+    assert registrar.sweep() == clock.now() + 0.5
+    assert registrar.lease_engine(lease) == "prefill-0" and removals == []
+    registrar.keep_alive([lease])  # a rank reconnecting renews the same lease
+    clock.advance(9.5)
+    registrar.sweep()
+    assert registrar.lease_engine(lease) == "prefill-0"
+    clock.advance(0.5)
+    registrar.sweep()
     assert registrar.lease_engine(lease) is None
+    assert removals == [("prefill-0", "inc-1", RemovalReason.LEASE_EXPIRED)]
+
+
+def test_lease_ids_come_from_the_injected_source(clock: ManualClock):
+    ids = iter(f"lease-{i}" for i in range(1, 10))
+    registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=10.0), clock, new_lease_id=lambda: next(ids))
+    first = registrar.register(sample.rank_request("decode-0", sample.DECODE, tp_size=2))
+    second = registrar.register(sample.rank_request("decode-0", sample.DECODE, tp_rank=1, tp_size=2))
+    assert (first.lease_id, second.lease_id) == ("lease-1", "lease-2")
+    assert registrar.register(sample.rank_request("decode-0", sample.DECODE, tp_size=2)).lease_id == "lease-1"  # a repeat draws none
+    assert registrar.register(sample.rank_request("decode-0", sample.DECODE, incarnation="inc-2", tp_size=2)).lease_id == "lease-3"
+    assert registrar.lease_engine("lease-3") == "decode-0" and registrar.lease_engine("lease-1") is None
+
+
+@pytest.mark.parametrize("gap_s", [0.0, 4.0], ids=["at once", "later"])
+def test_a_lease_registered_twice_identically_lapses_once(registrar: RegistrarCore, clock: ManualClock, removals, gap_s: float):
+    request = sample.rank_request("prefill-0", sample.PREFILL)
+    lease = registrar.register(request).lease_id
+    clock.advance(gap_s)
+    assert registrar.register(request).lease_id == lease  # the lease now sits in the expiry heap twice
+    watch = registrar.watch()
+    events(watch)
+    clock.advance(10.0)
+    assert registrar.sweep() is None
+    assert registrar.get_engine("prefill-0") is None and registrar.lease_engine(lease) is None
+    assert removals == [("prefill-0", "inc-1", RemovalReason.LEASE_EXPIRED)]
+    assert events(watch) == [(REMOVED, "prefill-0", reg_pb.ENGINE_STATE_GONE, RemovalReason.LEASE_EXPIRED)]
+
+
+def test_one_of_two_ranks_registered_twice_lapses_alone(registrar: RegistrarCore, clock: ManualClock, removals):
+    requests = sample.engine_requests("decode-0", sample.DECODE, tp_size=2)
+    leases = [registrar.register(r).lease_id for r in requests]
+    registrar.register(requests[1])
+    clock.advance(6)
+    registrar.keep_alive([leases[0]])
+    clock.advance(4)
+    registrar.sweep()
+    engine = registrar.get_engine("decode-0")
+    assert engine.state == reg_pb.ENGINE_STATE_PARTIAL and [r.rank.tp_rank for r in engine.ranks] == [0]
+    assert removals == [("decode-0", "inc-1", RemovalReason.LEASE_EXPIRED)]
 
 
 # ----- reads, watches, tokens -----
