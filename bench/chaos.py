@@ -1065,10 +1065,8 @@ def sample_role(prefill: bool) -> int:
 async def _soak_both(stack: Stack, settings: Settings, log: Log) -> dict[str, Any]:
     """The soak against the stack's control plane (RSS, PSS, live-attempts gauge) and, at once, an in-process one (memory_sizes)."""
     from kvpush.services import control_plane
-    from kvpush.services.broker.config import BrokerConfig
     from kvpush.services.common.config import ServerConfig
     from kvpush.services.common.tokens import load_tokens_dir
-    from kvpush.services.registrar.config import RegistrarConfig
 
     tokens = {path.name: path.read_text().strip() for path in stack.cp.tokens_dir.iterdir() if path.is_file()}
     pid = stack.cp.process.pid
@@ -1078,24 +1076,15 @@ async def _soak_both(stack: Stack, settings: Settings, log: Log) -> dict[str, An
                 "pending_registrations": stack.broker_gauge("kvpush_broker_pending_registrations"),
                 "pending_prefill_dones": stack.broker_gauge("kvpush_broker_pending_prefill_dones")}
 
-    plane = await control_plane.start(ServerConfig(listen="127.0.0.1:0"), RegistrarConfig(), BrokerConfig(), tokens=load_tokens_dir(stack.cp.tokens_dir))
-    runners = [asyncio.create_task(runner.run()) for runner in plane.runners]
+    async with control_plane.running(ServerConfig(listen="127.0.0.1:0"), tokens=load_tokens_dir(stack.cp.tokens_dir)) as plane:
 
-    def internal() -> dict[str, Any]:
-        return {"live_attempts": plane.broker.live_attempts, "memory_sizes": plane.broker.memory_sizes()}
+        def internal() -> dict[str, Any]:
+            return {"live_attempts": plane.broker.live_attempts, "memory_sizes": plane.broker.memory_sizes()}
 
-    try:
         out_ext, out_int = await asyncio.gather(
             soak(stack.cp.address, tokens, settings.soak_attempts, settings.soak_timeout_s, settings.soak_settle_s, external, log, "external"),
             soak(f"127.0.0.1:{plane.port}", tokens, settings.soak_attempts, settings.soak_timeout_s, settings.soak_settle_s, internal, log, "in-process"),
         )
-    finally:
-        plane.broker.close()
-        plane.registrar.close()
-        await plane.running.stop(0.5)
-        for task in runners:
-            task.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
     return {"external": out_ext, "in_process": out_int}
 
 

@@ -3,7 +3,26 @@
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+assert array("I").itemsize == 4, "a token id is packed as a uint32"
+
+
+def packed_prompt(token_ids: Sequence[int]) -> bytes:
+    """The prompt's token ids as little-endian uint32s: any prefix's digest can be taken from it."""
+    packed = array("I", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def prompt_digest(packed: bytes, num_tokens: int) -> bytes:
+    """Destination.prompt_digest of the first num_tokens tokens of a packed prompt (BLAKE2b-128)."""
+    return hashlib.blake2b(memoryview(packed)[: 4 * num_tokens], digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -21,6 +40,9 @@ class SourceReady:
     traceparent: str
     arrival_ns: int  # request arrival (wall clock), for the queue span
     scheduled_ns: int  # first scheduled (wall clock), for the prefill span
+    # The prompt (packed_prompt): an order is written only if its destination's
+    # prompt_digest matches (empty: a prompt given as embeddings, not checked).
+    prompt: bytes = b""
 
 
 @dataclass(frozen=True)

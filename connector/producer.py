@@ -29,7 +29,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpush.connector.handoff import SourceReady
+from kvpush.connector.handoff import SourceReady, prompt_digest
 from kvpush.connector.nixl_agent import PostedWrite
 from kvpush.connector.transfer_thread import TransferThread
 from kvpush.engine.v1 import engine_pb2
@@ -367,11 +367,11 @@ class ProducerCore:
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
             return  # the registrar's view of the decode engine hasn't arrived yet
         del self._orders[key]
-        short = self._short_of_tokens(source, destination)
-        if short:
-            # An early order bypasses the broker's token check: a tokenizer or template drift
-            # between P and D must not leave D decoding on KV it never got.
-            self._answer(key, REVOKED, transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, short)
+        reason, mismatch = self._mismatch(source, destination)
+        if mismatch:
+            # An early order bypasses the broker's token check, and only this rank holds the
+            # prompt: D must not decode on KV it never got or on another prompt's KV.
+            self._answer(key, REVOKED, reason, mismatch)
             del self._sources[key]
             self._release(source)
             return
@@ -411,11 +411,15 @@ class ProducerCore:
             self._finish(key, job, job.failed)
 
     @staticmethod
-    def _short_of_tokens(source: Source, destination: transfer_pb2.Destination) -> str:
+    def _mismatch(source: Source, destination: transfer_pb2.Destination) -> tuple[int, str]:
+        """Why this source cannot fill the destination (end reason, message), or (0, "")."""
         needed = destination.first_token + destination.num_tokens
-        if source.ready.num_tokens >= needed:
-            return ""
-        return f"this prefill computed {source.ready.num_tokens} tokens; the destination needs {needed}"
+        ready = source.ready
+        if ready.num_tokens < needed:
+            return transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, f"this prefill computed {ready.num_tokens} tokens; the destination needs {needed}"
+        if destination.prompt_digest and ready.prompt and prompt_digest(ready.prompt, needed) != destination.prompt_digest:
+            return transfer_pb2.END_REASON_PROMPT_MISMATCH, f"the destination needs the KV of another prompt than this prefill's first {needed} tokens"
+        return 0, ""
 
     def _may_post(self, order: Order) -> bool:
         """The self-fencing checks, run right before a post."""

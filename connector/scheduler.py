@@ -28,7 +28,7 @@ from kvpush import errors
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWait, DecodeWaits
-from kvpush.connector.handoff import RecvExpected, SourceReady
+from kvpush.connector.handoff import RecvExpected, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.params import ParamError, TransferParams, parse
 from kvpush.connector.spans import Spans
@@ -153,6 +153,8 @@ class DecodeScheduler(_Scheduler):
         destination = registration.destination
         destination.engine_id, destination.incarnation = self.config.engine_id, self.incarnation
         destination.first_token, destination.num_tokens = first_token, num_tokens
+        if request.prompt_token_ids is not None:  # None: a prompt given as embeddings (not checked)
+            destination.prompt_digest = prompt_digest(packed_prompt(request.prompt_token_ids), first_token + num_tokens)
         for group, spec_group in enumerate(self.kv_cache_config.kv_cache_groups):
             block_size = spec_group.kv_cache_spec.block_size
             start = first_token // block_size
@@ -324,6 +326,7 @@ class PrefillScheduler(_Scheduler):
                 traceparent=params.traceparent,
                 arrival_ns=int(request.arrival_time * 1e9),
                 scheduled_ns=track.scheduled_ns or time.time_ns(),
+                prompt=packed_prompt(request.prompt_token_ids) if request.prompt_token_ids is not None else b"",
             )
         )
 

@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import dataclasses
 import sys
+from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
@@ -91,6 +94,31 @@ async def start(
     deadlines = DeadlineRunner(broker.tick, clock, "transfer deadlines")
     broker.set_wakeup(deadlines.wake)
     return ControlPlane(registrar, broker, running, registry, (leases, deadlines))
+
+
+@contextlib.asynccontextmanager
+async def running(
+    server_config: ServerConfig,
+    registrar_config: RegistrarConfig | None = None,
+    broker_config: BrokerConfig | None = None,
+    *,
+    tokens: IdentityTokens | None,
+    tracer_provider: trace.TracerProvider | None = None,
+) -> AsyncIterator[ControlPlane]:
+    """A started control plane with its deadline runners running, stopped on exit (in-process use: tests, benchmarks)."""
+    plane = await start(
+        server_config, registrar_config or RegistrarConfig(), broker_config or BrokerConfig(), tokens=tokens, tracer_provider=tracer_provider
+    )
+    tasks = [asyncio.create_task(runner.run()) for runner in plane.runners]
+    try:
+        yield plane
+    finally:
+        plane.broker.close()
+        plane.registrar.close()
+        await plane.running.stop(0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.consumer import ConsumerCore
 from kvpush.connector.decode_waits import DecodeWaits
-from kvpush.connector.handoff import RecvExpected, SourceReady
+from kvpush.connector.handoff import RecvExpected, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.params import TransferParams
 from kvpush.connector.producer import LocalLayout, ProducerCore, WritePlan
 from kvpush.engine.v1 import engine_pb2
@@ -35,6 +35,15 @@ from kvpush.sim.world import Faults, Network, Process, Stream, World
 
 P_ENGINE, D_ENGINE = "prefill-0", "decode-0"
 BLOCK_SIZE = 16
+
+
+def prompt_of(prompt_id: int, num_tokens: int) -> bytes:
+    """A client request's prompt (packed): its first token names it, so two requests' prompts differ in every prefix."""
+    return packed_prompt([prompt_id, *range(1, num_tokens)])
+
+
+def prompt_id_of(packed: bytes) -> int:
+    return int.from_bytes(packed[:4], "little")
 
 
 @dataclass(frozen=True)
@@ -324,7 +333,8 @@ class PrefillRank:
         dest = order.order.destination
         blocks = tuple(dest.blocks[0].block_ids)
         # The bytes a WRITE moves are what the source holds of the destination's range.
-        tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token))
+        # and which prompt's KV they are.
+        tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token), prompt_id_of(source.ready.prompt))
         return [WritePlan(d_rank, SimPlan(blocks, tokens), len(self.engine.ranks)) for d_rank in order.order.decode_tp_ranks]
 
     def _report(self, request) -> None:
@@ -358,6 +368,7 @@ class PrefillRequest:
     req_id: str
     key: tuple[str, int]
     num_tokens: int
+    prompt_id: int
     decode_engine: str
     timeout_s: float
     router_leg: object
@@ -382,9 +393,9 @@ class PrefillEngine:
         self.requests = {}
         self.ranks = [PrefillRank(self, tp) for tp in range(self.tp_size)]
 
-    def leg(self, req_id: str, key, num_tokens: int, timeout_s: float, router_leg) -> None:
+    def leg(self, req_id: str, key, num_tokens: int, prompt_id: int, timeout_s: float, router_leg) -> None:
         """The router's prefill leg arrives."""
-        request = PrefillRequest(req_id, key, num_tokens, D_ENGINE, timeout_s, router_leg)
+        request = PrefillRequest(req_id, key, num_tokens, prompt_id, D_ENGINE, timeout_s, router_leg)
         self.requests[req_id] = request
         rng = self.sim.world.rng
         self.proc.later(rng.uniform(*self.sim.timing.prefill_time), self._prefill_done, request)
@@ -403,7 +414,7 @@ class PrefillEngine:
         request.done = True
         blocks = tuple(range(-(-request.num_tokens // BLOCK_SIZE)))
         ready = SourceReady(request.req_id, request.key[0], request.key[1], request.req_id, request.decode_engine, (blocks,),
-                            request.num_tokens, request.timeout_s, "", 0, 0)
+                            request.num_tokens, request.timeout_s, "", 0, 0, prompt_of(request.prompt_id, request.num_tokens))
         request.held_by = set(range(self.tp_size))
         for rank in self.ranks:
             rank.handle(("source", ready, None))
@@ -446,6 +457,7 @@ class DecodeRequest:
     blocks: list[int]
     first_token: int = 0
     num_tokens: int = 0
+    prompt_id: int = 0
     decoding: bool = False
     aborted: bool = False  # the router closed the leg (vLLM finished the request; blocks wait for the connector)
 
@@ -483,7 +495,7 @@ class DecodeEngine:
         self.waits.on_event(message.event)
         self.step()
 
-    def leg(self, req_id: str, params: TransferParams | None, num_tokens: int, timeout_s: float, router_leg) -> None:
+    def leg(self, req_id: str, params: TransferParams | None, num_tokens: int, prompt_id: int, timeout_s: float, router_leg) -> None:
         """The router's decode leg arrives: vLLM allocates its blocks and the connector registers them."""
         if not self.ready:
             self._answer(router_leg, False, "decode engine not ready")
@@ -494,7 +506,7 @@ class DecodeEngine:
             self._answer(router_leg, False, "no free KV blocks")
             return
         bound = self.sim.world.time + timeout_s + self.sim.timing.hold_margin_s + 1.0
-        request = self.requests[req_id] = DecodeRequest(req_id, key, router_leg, bound, blocks, 0, num_tokens)
+        request = self.requests[req_id] = DecodeRequest(req_id, key, router_leg, bound, blocks, 0, num_tokens, prompt_id)
         wait = self.waits.admit(req_id, params, "" if params is not None else "bad request: unreadable kv_transfer_params", timeout_s, 0)
         if not wait.failure:
             self._register(request, params, timeout_s)
@@ -504,6 +516,7 @@ class DecodeEngine:
         registration = sample.destination_request(params.transfer_id, params.attempt, incarnation=self.incarnation, num_tokens=request.num_tokens,
                                                   block_size=BLOCK_SIZE, timeout_s=timeout_s, client_request_id=request.req_id)
         registration.destination.blocks[0].block_ids[:] = request.blocks
+        registration.destination.prompt_digest = prompt_digest(prompt_of(request.prompt_id, request.num_tokens), request.num_tokens)
         registration.deadline.CopyFrom(timestamp(self.proc.wall() + timeout_s))
         registration.hold_margin.CopyFrom(duration(self.sim.timing.hold_margin_s))
         self.consumer.expect(RecvExpected(request.req_id, params.transfer_id, params.attempt, 0, request.num_tokens, 0, ""))
@@ -557,7 +570,7 @@ class DecodeEngine:
         request = self.requests.get(req_id)
         if wait is None or request is None:
             return
-        needed = (request.first_token, request.num_tokens)
+        needed = (request.first_token, request.num_tokens, request.prompt_id)
         landed = self.memory.landed.get(req_id, {})
         producers = len(self.sim.prefill.ranks) if self.sim.prefill.ranks else 1
         if len(landed) < producers or any(tokens != needed for tokens in landed.values()):
@@ -647,10 +660,12 @@ class Router:
         params = TransferParams("decode", transfer_id, attempt, P_ENGINE, remaining, "", leg.d_req)
         net = self.sim.network
         if not collide_with:
-            net.deliver(self.sim.prefill.proc, self.sim.prefill.leg, leg.p_req, (transfer_id, attempt), request.num_tokens + self.sim.drift(request), remaining, leg, lossy=False)
+            net.deliver(self.sim.prefill.proc, self.sim.prefill.leg, leg.p_req, (transfer_id, attempt), request.num_tokens + self.sim.drift(request), request.index,
+                        remaining, leg, lossy=False)
         else:
             leg.prefill_ok = True
-        net.deliver(self.sim.decode.proc, self.sim.decode.leg, leg.d_req, None if malformed else params, request.num_tokens, remaining, leg, lossy=False)
+        net.deliver(self.sim.decode.proc, self.sim.decode.leg, leg.d_req, None if malformed else params, request.num_tokens, request.index, remaining, leg,
+                    lossy=False)
 
     def prefill_answered(self, leg: Leg, ok: bool) -> None:
         leg.prefill_ok = ok

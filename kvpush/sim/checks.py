@@ -4,7 +4,8 @@
 Checked as things happen (after every event):
 * write-after-free: no WRITE lands on a decode block its request no longer owns;
 * short-receive: a decode request is reported received only when every
-  producer rank's WRITE for its key landed covering exactly its tokens;
+  producer rank's WRITE for its key landed covering exactly its tokens, with
+  the KV of its own prompt (not a colliding request's);
 * double-write: a producer rank posts at most one WRITE per attempt;
 * agent-unloaded-in-flight: no peer agent is unloaded with WRITEs to it in flight.
 

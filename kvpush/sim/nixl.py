@@ -31,7 +31,7 @@ class DecodeMemory:
     num_blocks: int
     violations: Violations
     owners: dict[int, BlockOwner] = field(default_factory=dict)
-    landed: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)  # req_id -> producer rank -> (first_token, num_tokens)
+    landed: dict[str, dict[int, tuple[int, int, int]]] = field(default_factory=dict)  # req_id -> producer rank -> (first_token, num_tokens, prompt id)
     alive: bool = True
 
     def allocate(self, req_id: str, key: tuple[str, int], count: int) -> list[int] | None:
@@ -49,7 +49,7 @@ class DecodeMemory:
             del self.owners[b]
         self.landed.pop(req_id, None)
 
-    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: int, tokens: tuple[int, int], what: str) -> str | None:
+    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: int, tokens: tuple[int, int, int], what: str) -> str | None:
         """Bytes of a WRITE for key land in blocks; returns the owning request, or records a violation."""
         if not self.alive:
             return None  # the process died: its memory is gone
@@ -75,7 +75,7 @@ class SimWrite:
 class SimPlan:
     """A WritePlan's plan as the simulated transport takes it: the destination blocks instead of byte segments."""
 
-    def __init__(self, blocks: tuple[int, ...], tokens: tuple[int, int]):
+    def __init__(self, blocks: tuple[int, ...], tokens: tuple[int, int, int]):
         self.src = None
         self.dst = blocks
         self.lengths = tokens

@@ -2,7 +2,7 @@
 """`kvpush sim`: run many seeded schedules of the whole protocol under faults and report every invariant violation.
 
     kvpush sim --schedules 100000 --workers 2     # the benchmark run
-    kvpush sim --replay 4242 --verbose            # one schedule again, exactly
+    kvpush sim --replay 4242                      # one schedule again, exactly, with its violations in full
 
 A schedule is fully determined by its seed: a failing seed replays exactly.
 """

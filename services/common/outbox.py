@@ -18,7 +18,7 @@ class Outbox(Generic[T]):
     subscriber starts over with a fresh snapshot or resync.
     """
 
-    __slots__ = ("capacity", "closed", "dropped", "_items", "_ready")
+    __slots__ = ("capacity", "closed", "dropped", "_exempt", "_items", "_ready")
 
     def __init__(self, capacity: int | None):
         """capacity None: unbounded until limit() (a resync fills it first)."""
@@ -27,6 +27,7 @@ class Outbox(Generic[T]):
         self.capacity = capacity
         self.closed = False
         self.dropped = 0
+        self._exempt = 0  # leading items queued before limit() (a resync): they do not count against capacity
         self._items: deque[T] = deque()
         self._ready = asyncio.Event()
 
@@ -37,7 +38,7 @@ class Outbox(Generic[T]):
         """Queues item; False when it was not queued (closed, or full: then the outbox closes)."""
         if self.closed:
             return False
-        if self.capacity is not None and len(self._items) >= self.capacity:
+        if self.capacity is not None and len(self._items) - self._exempt >= self.capacity:
             self.dropped += 1
             self.close()
             return False
@@ -45,16 +46,17 @@ class Outbox(Generic[T]):
         self._ready.set()
         return True
 
-    def limit(self, room: int) -> None:
-        """Bounds the outbox to what it holds now plus room: a resync queued first never overflows it."""
-        if room < 1:
-            raise ValueError("room must be at least 1")
-        self.capacity = len(self._items) + room
+    def limit(self, capacity: int) -> None:
+        """Bounds what is queued from now on to capacity; what is queued already (a resync) never overflows it."""
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self.capacity, self._exempt = capacity, len(self._items)
 
     def drain(self) -> list[T]:
         """Takes every queued item."""
         items = list(self._items)
         self._items.clear()
+        self._exempt = 0
         if not self.closed:
             self._ready.clear()
         return items

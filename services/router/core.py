@@ -226,9 +226,10 @@ _END_REASON_STATUS = {
     "PREFILL_DEADLINE_EXCEEDED": 504,
     "PREFILL_ENGINE_LOST": 503,
     "DECODE_ENGINE_LOST": 503,
-    # The prompt tokenizes differently on P and D: the same request fails on
-    # any pair of those engines.
+    # The prompt tokenizes differently on P and D (or, for PROMPT_MISMATCH,
+    # another request reused the transfer id): retrying on other engines won't help.
     "TOKEN_COUNT_MISMATCH": 400,
+    "PROMPT_MISMATCH": 400,
     # Only a newer attempt supersedes one, and this router makes none while
     # it still waits on the old one: another router used the same transfer id.
     "SUPERSEDED": 409,

@@ -158,20 +158,11 @@ async def running_control_plane(
     broker_config: BrokerConfig | None = None,
     tracer_provider=None,
 ):
-    plane = await control_plane.start(
+    async with control_plane.running(
         server_config,
         registrar_config or RegistrarConfig(default_lease_ttl_s=5.0),
-        broker_config or BrokerConfig(),
+        broker_config,
         tokens=None if server_config.mtls else identity_tokens(),
         tracer_provider=tracer_provider,
-    )
-    tasks = [asyncio.create_task(runner.run()) for runner in plane.runners]
-    try:
+    ) as plane:
         yield plane
-    finally:
-        plane.broker.close()
-        plane.registrar.close()
-        await plane.running.stop(0)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

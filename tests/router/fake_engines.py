@@ -21,6 +21,15 @@ from aiohttp import web
 DECODE_WORDS = ["alpha", "beta", "gamma", "delta"]
 
 
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serves app on 127.0.0.1:0; a client going away cancels its handler, as in vLLM."""
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 @dataclasses.dataclass
 class Received:
     """One request a fake engine received."""
@@ -51,11 +60,7 @@ class FakeEngine:
             app.router.add_post(path, self._complete)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        self._runner = web.AppRunner(app, handler_cancellation=True)  # a client going away cancels the handler, as in vLLM
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app)
         return self
 
     async def stop(self) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import json
 import time
 
-import aiohttp
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -25,15 +24,13 @@ from kvpush.client import BrokerClient, ClientConfig
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services import control_plane
-from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.tokens import ROUTER_IDENTITY, IdentityTokens
-from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import Endpoint
-from kvpush.services.router.proxy import Router
 from tests.e2e.harness import free_port
 from tests.router.fake_engines import DECODE_WORDS, FakeEngine, decode_stream_text
+from tests.router.router_harness import RouterUnderTest
 
 TOKEN = "router-test-token"
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0.0}
@@ -44,13 +41,8 @@ INCOMING_TRACEPARENT = f"00-{INCOMING_TRACE_ID}-00f067aa0ba902b7-01"
 @pytest.fixture
 async def plane():
     """A real control plane (registrar + broker) on 127.0.0.1:0."""
-    started = await control_plane.start(ServerConfig(listen="127.0.0.1:0"), RegistrarConfig(), BrokerConfig(), tokens=IdentityTokens({ROUTER_IDENTITY: TOKEN}))
-    try:
+    async with control_plane.running(ServerConfig(listen="127.0.0.1:0"), tokens=IdentityTokens({ROUTER_IDENTITY: TOKEN})) as started:
         yield started
-    finally:
-        started.broker.close()
-        started.registrar.close()
-        await started.running.stop(0)
 
 
 @pytest.fixture
@@ -59,36 +51,6 @@ def spans():
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider, exporter
-
-
-class RouterUnderTest:
-    """A Router served on 127.0.0.1:0 with an HTTP client pointed at it."""
-
-    def __init__(self, config: RouterConfig, provider: TracerProvider):
-        self.router = Router(config, tracer_provider=provider)
-        self.runner = None
-        self.url = ""
-        self.client: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> RouterUnderTest:
-        from aiohttp import web
-
-        self.runner = web.AppRunner(self.router.build_app())
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.client.close()
-        await self.runner.cleanup()
-
-    async def post(self, path: str, body: dict, headers: dict | None = None) -> tuple[int, bytes, float]:
-        t0 = time.monotonic()
-        async with self.client.post(self.url + path, json=body, headers=headers or {}) as response:
-            return response.status, await response.read(), time.monotonic() - t0
 
 
 def make_config(plane, prefills, decodes, **overrides) -> RouterConfig:

@@ -21,7 +21,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import grpc
 import pytest
 from aiohttp import web
@@ -36,16 +35,14 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services import control_plane
-from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.tokens import ROUTER_IDENTITY, IdentityTokens
-from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import Endpoint
-from kvpush.services.router.proxy import Router
 from tests.e2e.harness import free_port
-from tests.router.fake_engines import DECODE_WORDS, Received
+from tests.router.fake_engines import DECODE_WORDS, Received, serve_app
+from tests.router.router_harness import RouterUnderTest
 
 ENGINE_IDS = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 BODY = {"model": "tiny", "prompt": "hello there", "max_tokens": 4, "temperature": 0.0}
@@ -161,23 +158,16 @@ class Plane:
 @pytest.fixture
 async def plane():
     tokens = IdentityTokens({identity: token_of(identity) for identity in (ROUTER_IDENTITY, *ENGINE_IDS)})
-    started = await control_plane.start(ServerConfig(listen="127.0.0.1:0"), RegistrarConfig(), BrokerConfig(), tokens=tokens)
-    runners = [asyncio.create_task(runner.run()) for runner in started.runners]
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{started.port}") as channel:
-            engines = {engine_id: await EngineAtBroker(channel, engine_id).register() for engine_id in ENGINE_IDS}
-            try:
-                yield Plane(started, channel, engines)
-            finally:
-                for engine in engines.values():
-                    await engine.close()
-    finally:
-        started.broker.close()
-        started.registrar.close()
-        await started.running.stop(0)
-        for task in runners:
-            task.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
+    async with (
+        control_plane.running(ServerConfig(listen="127.0.0.1:0"), tokens=tokens) as started,
+        grpc.aio.insecure_channel(f"127.0.0.1:{started.port}") as channel,
+    ):
+        engines = {engine_id: await EngineAtBroker(channel, engine_id).register() for engine_id in ENGINE_IDS}
+        try:
+            yield Plane(started, channel, engines)
+        finally:
+            for engine in engines.values():
+                await engine.close()
 
 
 # ---- engines over HTTP ------------------------------------------------------------------------
@@ -206,11 +196,7 @@ class ScriptedEngine:
     async def start(self) -> ScriptedEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app, handler_cancellation=True)  # a client going away cancels the handler, as in vLLM
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        self._runner, self.url = await serve_app(app)
         return self
 
     async def stop(self) -> None:
@@ -309,47 +295,20 @@ def spans():
     return provider, exporter
 
 
-class RouterUnderTest:
-    """A push-mode Router on 127.0.0.1:0 in front of the given engines, with an HTTP client."""
-
-    def __init__(self, port: int, prefills: list, decodes: list, provider: TracerProvider, **overrides: Any):
-        settings = {
-            "prefill": tuple(Endpoint(e.url, e.engine_id) for e in prefills),
-            "decode": tuple(Endpoint(e.url, e.engine_id) for e in decodes),
-            "control_plane": f"127.0.0.1:{port}",
-            "token": token_of(ROUTER_IDENTITY),
-            "prefill_timeout_s": 10.0,
-            "first_token_timeout_s": 10.0,
-            "request_timeout_s": 20.0,
-            "transfer_timeout_ms": 5000,
-            **overrides,
-        }
-        self.router = Router(RouterConfig(**settings), tracer_provider=provider)
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-        self.client: aiohttp.ClientSession | None = None
-
-    async def __aenter__(self) -> RouterUnderTest:
-        self.runner = web.AppRunner(self.router.build_app())
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        self.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.client.close()
-        await self.runner.cleanup()
-
-    async def post(self, body: dict, headers: dict | None = None) -> tuple[int, bytes, float]:
-        t0 = time.monotonic()
-        async with self.client.post(self.url + "/v1/completions", json=body, headers=headers or {}) as response:
-            return response.status, await response.read(), time.monotonic() - t0
-
-    async def metrics(self) -> str:
-        async with self.client.get(self.url + "/metrics") as response:
-            return (await response.read()).decode()
+def router_under_test(port: int, prefills: list, decodes: list, provider: TracerProvider, **overrides: Any) -> RouterUnderTest:
+    """A push-mode Router in front of the given engines, pointed at the control plane on port."""
+    settings = {
+        "prefill": tuple(Endpoint(e.url, e.engine_id) for e in prefills),
+        "decode": tuple(Endpoint(e.url, e.engine_id) for e in decodes),
+        "control_plane": f"127.0.0.1:{port}",
+        "token": token_of(ROUTER_IDENTITY),
+        "prefill_timeout_s": 10.0,
+        "first_token_timeout_s": 10.0,
+        "request_timeout_s": 20.0,
+        "transfer_timeout_ms": 5000,
+        **overrides,
+    }
+    return RouterUnderTest(RouterConfig(**settings), provider)
 
 
 async def serve(*engines: ScriptedEngine) -> list[ScriptedEngine]:
@@ -387,8 +346,8 @@ async def test_a_failed_write_answers_502_with_the_brokers_reason(plane, spans, 
         ScriptedEngine("decode", "decode-0", decode_like_vllm(decode_at)),
     )
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0]) as router:
-            status, body, _ = await router.post({**BODY, "stream": stream}, {"X-Request-Id": "client-7"})
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            status, body, _ = await router.post("/v1/completions", {**BODY, "stream": stream}, {"X-Request-Id": "client-7"})
             metrics = await router.metrics()
     finally:
         await stop(prefill, decode)
@@ -425,8 +384,8 @@ async def test_a_lost_engine_answers_503(plane, spans, side):
         scripts = (prefill_like_vllm(prefill_at, write=None), decode_like_vllm(decode_at, after_registering=lose_decode))
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", scripts[0]), ScriptedEngine("decode", "decode-0", scripts[1]))
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0]) as router:
-            status, body, elapsed = await router.post(BODY)
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            status, body, elapsed = await router.post("/v1/completions", BODY)
     finally:
         await stop(prefill, decode)
     reason = f"{side.upper()}_ENGINE_LOST"
@@ -458,8 +417,8 @@ async def test_a_lost_decode_engine_is_retried_on_another_and_answers_only_if_re
         ScriptedEngine("decode", "decode-1", decode_like_vllm(good_at)),
     )
     try:
-        async with RouterUnderTest(plane.port, [prefill], [lost, good], spans[0]) as router:
-            status, body, _ = await router.post(BODY)
+        async with router_under_test(plane.port, [prefill], [lost, good], spans[0]) as router:
+            status, body, _ = await router.post("/v1/completions", BODY)
     finally:
         await stop(prefill, lost, good)
     assert status == 200 and json.loads(body)["choices"][0]["text"] == " ".join(DECODE_WORDS)
@@ -482,8 +441,8 @@ async def test_a_broker_deadline_answers_504(plane, spans, reason):
         scripts = (prefill_like_vllm(prefill_at, write=None), just("hang"))
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", scripts[0]), ScriptedEngine("decode", "decode-0", scripts[1]))
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=1000) as router:
-            status, body, elapsed = await router.post(BODY)
+        async with router_under_test(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=1000) as router:
+            status, body, elapsed = await router.post("/v1/completions", BODY)
     finally:
         await stop(prefill, decode)
     error = error_of(body)
@@ -502,8 +461,8 @@ async def test_a_token_count_mismatch_answers_400(plane, spans):
         ScriptedEngine("decode", "decode-0", decode_like_vllm(decode_at)),
     )
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0]) as router:
-            status, body, _ = await router.post(BODY)
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            status, body, _ = await router.post("/v1/completions", BODY)
     finally:
         await stop(prefill, decode)
     error = error_of(body)
@@ -523,8 +482,8 @@ async def test_a_colliding_transfer_id_answers_409_and_leaves_the_other_attempt_
 
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", other_router_first))
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0]) as router:
-            status, body, _ = await router.post(BODY, {"X-Request-Id": "mine"})
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            status, body, _ = await router.post("/v1/completions", BODY, {"X-Request-Id": "mine"})
     finally:
         await stop(prefill, decode)
     transfer_id, attempt = key_of(decode)
@@ -540,8 +499,8 @@ async def test_a_colliding_transfer_id_answers_409_and_leaves_the_other_attempt_
 async def test_an_unreachable_control_plane_answers_503(spans):
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just("vllm-error")))
     try:
-        async with RouterUnderTest(free_port(), [prefill], [decode], spans[0], cancel_timeout_s=0.5) as router:
-            status, body, elapsed = await router.post(BODY)
+        async with router_under_test(free_port(), [prefill], [decode], spans[0], cancel_timeout_s=0.5) as router:
+            status, body, elapsed = await router.post("/v1/completions", BODY)
     finally:
         await stop(prefill, decode)
     error = error_of(body)
@@ -554,8 +513,8 @@ async def test_an_unreachable_control_plane_answers_503(spans):
 async def test_an_overlong_request_id_is_refused_with_400_before_any_leg(plane, spans):
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just("ok")))
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0]) as router:
-            status, body, _ = await router.post(BODY, {"X-Request-Id": "r" * 300})
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            status, body, _ = await router.post("/v1/completions", BODY, {"X-Request-Id": "r" * 300})
             metrics = await router.metrics()
     finally:
         await stop(prefill, decode)
@@ -572,8 +531,8 @@ async def test_an_overlong_request_id_is_refused_with_400_before_any_leg(plane, 
 async def test_the_transfer_deadline_guard_answers_504_and_closes_the_decode_leg(plane, spans, stream):
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just("hang")))
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=1000, max_attempts=1) as router:
-            status, body, elapsed = await router.post({**BODY, "stream": stream})
+        async with router_under_test(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=1000, max_attempts=1) as router:
+            status, body, elapsed = await router.post("/v1/completions", {**BODY, "stream": stream})
             await wait_until(lambda: decode.disconnected == 1)
     finally:
         await stop(prefill, decode)
@@ -607,8 +566,8 @@ async def test_an_attempt_failing_at_the_broker_is_answered_while_the_decode_eng
     prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", fail_the_write_later), ScriptedEngine("decode", "decode-0", register_and_hang))
     provider, exporter = spans
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], provider, transfer_timeout_ms=10_000) as router:
-            status, body, elapsed = await router.post({**BODY, "stream": True})
+        async with router_under_test(plane.port, [prefill], [decode], provider, transfer_timeout_ms=10_000) as router:
+            status, body, elapsed = await router.post("/v1/completions", {**BODY, "stream": True})
             await wait_until(lambda: decode.disconnected == 1)
     finally:
         await stop(prefill, decode)
@@ -627,8 +586,8 @@ async def test_a_done_transfer_keeps_waiting_for_a_long_answer_past_the_deadline
         ScriptedEngine("decode", "decode-0", decode_like_vllm(decode_at), delay_s=1.5),  # a long non-streamed generation
     )
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=500) as router:
-            status, body, elapsed = await router.post(BODY)
+        async with router_under_test(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=500) as router:
+            status, body, elapsed = await router.post("/v1/completions", BODY)
     finally:
         await stop(prefill, decode)
     assert status == 200 and json.loads(body)["choices"][0]["text"] == " ".join(DECODE_WORDS)
@@ -642,8 +601,8 @@ async def test_a_successful_streamed_request_makes_no_get_transfer_call(plane, s
         ScriptedEngine("prefill", "prefill-0", prefill_like_vllm(prefill_at)), ScriptedEngine("decode", "decode-0", decode_like_vllm(decode_at))
     )
     try:
-        async with RouterUnderTest(plane.port, [prefill], [decode], provider) as router:
-            status, body, _ = await router.post({**BODY, "stream": True})
+        async with router_under_test(plane.port, [prefill], [decode], provider) as router:
+            status, body, _ = await router.post("/v1/completions", {**BODY, "stream": True})
     finally:
         await stop(prefill, decode)
     assert status == 200 and b"data: [DONE]" in body and b'"error"' not in body

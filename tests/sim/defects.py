@@ -18,6 +18,7 @@ from kvpush.connector.consumer import ConsumerCore, Receive
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
+from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common.clock import timestamp
 from kvpush.sim.actors import Timing
@@ -69,7 +70,7 @@ def _early_order_skips_token_check():
         receive.producers.add(note.producer)
         receive.needed = note.needed
 
-    return patched((ProducerCore, "_short_of_tokens", staticmethod(lambda source, destination: "")), (ConsumerCore, "_count", count))
+    return patched((ProducerCore, "_mismatch", staticmethod(lambda source, destination: (0, ""))), (ConsumerCore, "_count", count))
 
 
 def _budget_from_receipt():
@@ -123,6 +124,17 @@ def _decode_key_collision():
     return patched((DecodeWaits, "admit", admit), (ConsumerCore, "expect", expect))
 
 
+def _prompt_not_compared():
+    """7b. A colliding key with another prompt of as many tokens got that prompt's KV: only token counts were compared."""
+    original = ProducerCore._mismatch
+
+    def count_only(source, destination):
+        reason, message = original(source, destination)
+        return (reason, message) if reason == transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH else (0, "")
+
+    return patched((ProducerCore, "_mismatch", staticmethod(count_only)))
+
+
 @dataclass(frozen=True)
 class Defect:
     number: str
@@ -154,6 +166,7 @@ SIMULATED = [
     Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 6, 8)),
     Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 733, 872)),
     Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (444, 447, 462)),
+    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (1175, 1625, 2344)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random

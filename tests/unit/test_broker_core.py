@@ -921,6 +921,15 @@ def test_a_decode_stream_that_overflowed_gets_a_stream_that_lives_after_its_resy
     assert ("t4", 1, COMPLETED, S.END_REASON_COMPLETED) in h.events()
 
 
+def test_a_producer_resync_larger_than_the_outbox_fits_its_stream():
+    h = Harness(config=BrokerConfig(outbox_capacity=2), subscribe=False)
+    for i in range(5):
+        h.register(f"t{i}")
+        h.prefill_done(f"t{i}")
+    subscription = h.subscribe_producer(0, early=False)
+    assert subscription.active
+    assert [m.order.key.transfer_id for m in subscription.outbox.drain()] == [f"t{i}" for i in range(5)]
+
 def test_every_message_to_a_producer_carries_its_send_time_and_stream_lease_and_heartbeats_renew_it():
     h = Harness()
     h.register()

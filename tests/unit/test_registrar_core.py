@@ -371,6 +371,19 @@ def test_a_watch_that_falls_a_queue_behind_is_closed(registrar: RegistrarCore):
     assert registrar.watch_count == 0
 
 
+def test_a_snapshot_larger_than_the_queue_still_fits_the_watch_it_is_for(registrar: RegistrarCore):
+    for i in range(12):  # more engines than the queue's capacity of 8
+        registrar.register(sample.rank_request(f"decode-{i}", sample.DECODE))
+    watch = registrar.watch()
+    assert not watch.outbox.closed and len(events(watch)) == 12
+    # Past the snapshot the bound applies again: a watcher that falls a whole queue behind is closed.
+    for i in range(8):
+        registrar.register(sample.rank_request(f"prefill-{i}", sample.PREFILL))
+    assert not watch.outbox.closed
+    registrar.register(sample.rank_request("prefill-8", sample.PREFILL))
+    assert watch.outbox.closed
+
+
 def test_a_new_engine_past_max_engines_is_refused(clock: ManualClock):
     registrar = RegistrarCore(RegistrarConfig(max_engines=2), clock)
     registrar.register(sample.rank_request("prefill-0", sample.PREFILL))

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
 import torch
 
 from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S, Consumer, ConsumerCore, Notification, parse_notification
-from kvpush.connector.handoff import RecvExpected, SourceReady
+from kvpush.connector.handoff import RecvExpected, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.nixl_agent import HELLO, KvAgent, PostedWrite
 from kvpush.connector.producer import LocalLayout, Producer, ProducerCore, build_write_plans, notification
@@ -158,8 +159,10 @@ class Pair:
     def send(self, kind: str, transfer_id: str = "t1", *, stream: int = STREAM, **kwargs) -> None:
         self.producer.stream_message(stream, self.message(kind, transfer_id, **kwargs))
 
-    def source(self, transfer_id: str = "t1", req_id: str = "p-req", blocks=(7, 2, 9, 4), num_tokens: int = 110, hold_s: float = 30.0) -> None:
-        self.producer.source_ready(SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0))
+    def source(self, transfer_id: str = "t1", req_id: str = "p-req", blocks=(7, 2, 9, 4), num_tokens: int = 110, hold_s: float = 30.0,
+               prompt: Sequence[int] | None = None) -> None:
+        packed = packed_prompt(prompt) if prompt is not None else b""
+        self.producer.source_ready(SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0, packed))
 
     def expect(self, transfer_id: str = "t1", req_id: str = "d-req", first_token: int = 0, num_tokens: int = 110) -> None:
         self.consumer.expect(RecvExpected(req_id, transfer_id, 1, first_token, num_tokens, 0, ""))
@@ -216,12 +219,14 @@ class Pair:
 
 
 def order_body(transfer_id: str, attempt: int = 1, *, blocks=(5, 1), first_token: int = 0, num_tokens: int = 110, budget_s: float = BUDGET_S,
-               write_timeout_s: float = WRITE_TIMEOUT_S, source: bool = False) -> transfer_pb2.WriteOrder:
+               write_timeout_s: float = WRITE_TIMEOUT_S, source: bool = False, prompt: Sequence[int] | None = None) -> transfer_pb2.WriteOrder:
     order = transfer_pb2.WriteOrder()
     order.key.transfer_id, order.key.attempt = transfer_id, attempt
     order.destination.engine_id, order.destination.incarnation = "decode-t", "inc-1"
     order.destination.first_token, order.destination.num_tokens = first_token, num_tokens
     order.destination.blocks.add(group_index=0, block_ids=list(blocks))
+    if prompt is not None:  # the decode side's prompt, as its digest
+        order.destination.prompt_digest = prompt_digest(packed_prompt(prompt), first_token + num_tokens)
     order.decode_tp_ranks.append(0)
     order.write_budget.CopyFrom(validation.duration(budget_s))
     order.write_timeout.CopyFrom(validation.duration(write_timeout_s))
@@ -284,6 +289,35 @@ def test_a_source_with_too_few_tokens_refuses_the_order_and_writes_nothing(pair:
     assert pair.d_block_is_zero(4) and pair.d_block_is_zero(6)
     pair.send("revocation", "t1")  # the broker's revocation gets the same answer again
     assert [(r.outcome, r.reason) for r in pair.reports[1:]] == [(REVOKED, transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH)]
+
+
+def test_a_source_with_another_prompt_refuses_the_order_and_writes_nothing(pair: Pair):
+    """A colliding transfer id (or a template drift): the destination needs the KV of other tokens than this prefill's."""
+    mine = list(range(1000, 1110))
+    pair.send("order", "t1", blocks=(4, 6), num_tokens=40, prompt=[7] + mine[1:40])
+    pair.source("t1", blocks=(1, 2, 3, 5), num_tokens=110, prompt=mine)
+    [report] = pair.reports
+    assert (report.outcome, report.reason) == (REVOKED, transfer_pb2.END_REASON_PROMPT_MISMATCH)
+    assert pair.released() == {"p-req"}
+    pair.settle()
+    assert pair.d_block_is_zero(4) and pair.d_block_is_zero(6)
+
+
+def test_a_destination_that_needs_a_prefix_of_this_prompt_is_written(pair: Pair):
+    mine = list(range(1000, 1110))
+    pair.expect("t1", num_tokens=40)
+    pair.send("order", "t1", blocks=(4, 6), num_tokens=40, prompt=mine[:40])
+    pair.source("t1", blocks=(1, 2, 3, 5), num_tokens=110, prompt=mine)
+    assert pair.pump(pair.results) == ({"d-req"}, set())
+    assert pair.answers() == [("t1", WRITTEN, 0)]
+
+
+def test_the_prompt_digest_covers_exactly_the_tokens_it_names():
+    tokens = [1, 2, 3, 70_000, 2**32 - 1]
+    packed = packed_prompt(tokens)
+    assert len(packed) == 4 * len(tokens) and packed[12:16] == (70_000).to_bytes(4, "little")
+    assert prompt_digest(packed, 3) == prompt_digest(packed_prompt(tokens[:3]), 3) != prompt_digest(packed, 4)
+    assert len(prompt_digest(packed, 5)) == 16
 
 
 # ----- stream generations and the stream lease -----

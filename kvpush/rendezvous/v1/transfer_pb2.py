@@ -27,7 +27,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvpush.engine.v1 import engine_pb2 as kvpush_dot_engine_dot_v1_dot_engine__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvpush/rendezvous/v1/transfer.proto\x12\x14kvpush.rendezvous.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvpush/engine/v1/engine.proto\"3\n\x0bTransferKey\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\x8b\x01\n\x0b\x44\x65stination\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12+\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1b.kvpush.engine.v1.BlockList\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"q\n\x06Source\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12+\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1b.kvpush.engine.v1.BlockList\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"\xb9\x03\n\nWriteOrder\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12,\n\x06source\x18\x03 \x01(\x0b\x32\x1c.kvpush.rendezvous.v1.Source\x12\x36\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32!.kvpush.rendezvous.v1.Destination\x12\x17\n\x0f\x64\x65\x63ode_tp_ranks\x18\x05 \x03(\r\x12/\n\x0cwrite_budget\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12I\n\rtrace_context\x18\x07 \x03(\x0b\x32\x32.kvpush.rendezvous.v1.WriteOrder.TraceContextEntry\x12\x30\n\rwrite_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\nRevocation\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12/\n\x06reason\x18\x02 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\"\xa5\x01\n\x0eTransferClosed\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12/\n\x06reason\x18\x03 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\"\xb6\x02\n\rTransferEvent\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x35\n\x04type\x18\x03 \x01(\x0e\x32\'.kvpush.rendezvous.v1.TransferEventType\x12\x32\n\x05state\x18\x04 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12/\n\x06reason\x18\x05 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12.\n\nevent_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x80\x01\n\rTimelineEntry\x12\x35\n\x04kind\x18\x01 \x01(\x0e\x32\'.kvpush.rendezvous.v1.TimelineEntryKind\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xca\x03\n\x08Transfer\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x32\n\x05state\x18\x03 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x19\n\x11prefill_engine_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x05 \x01(\t\x12\x39\n\rfirst_arrival\x18\x06 \x01(\x0e\x32\".kvpush.rendezvous.v1.TransferSide\x12\x33\n\nend_reason\x18\x07 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x0e\n\x06\x66\x65nced\x18\t \x01(\x08\x12,\n\x08\x64\x65\x61\x64line\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x08timeline\x18\x0b \x03(\x0b\x32#.kvpush.rendezvous.v1.TimelineEntry\x12\x15\n\rbytes_written\x18\x0c \x01(\x04*\xad\x02\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12&\n\"TRANSFER_STATE_WAITING_FOR_PREFILL\x10\x01\x12+\n\'TRANSFER_STATE_WAITING_FOR_REGISTRATION\x10\x02\x12\x1a\n\x16TRANSFER_STATE_MATCHED\x10\x03\x12\x1a\n\x16TRANSFER_STATE_WRITING\x10\x04\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x05\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x06\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x07\x12\x1d\n\x19TRANSFER_STATE_SUPERSEDED\x10\x08*b\n\x0cTransferSide\x12\x1d\n\x19TRANSFER_SIDE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_SIDE_PREFILL\x10\x01\x12\x18\n\x14TRANSFER_SIDE_DECODE\x10\x02*\xd0\x03\n\tEndReason\x12\x1a\n\x16\x45ND_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45ND_REASON_COMPLETED\x10\x01\x12\"\n\x1e\x45ND_REASON_CANCELLED_BY_ROUTER\x10\x02\x12#\n\x1f\x45ND_REASON_CANCELLED_BY_PREFILL\x10\x03\x12\"\n\x1e\x45ND_REASON_CANCELLED_BY_DECODE\x10\x04\x12\x19\n\x15\x45ND_REASON_SUPERSEDED\x10\x05\x12-\n)END_REASON_REGISTRATION_DEADLINE_EXCEEDED\x10\x06\x12(\n$END_REASON_PREFILL_DEADLINE_EXCEEDED\x10\x07\x12\"\n\x1e\x45ND_REASON_PREFILL_ENGINE_LOST\x10\x08\x12!\n\x1d\x45ND_REASON_DECODE_ENGINE_LOST\x10\t\x12\x1b\n\x17\x45ND_REASON_WRITE_FAILED\x10\n\x12#\n\x1f\x45ND_REASON_TOKEN_COUNT_MISMATCH\x10\x0b\x12#\n\x1f\x45ND_REASON_REGISTRATION_REFUSED\x10\x0c*}\n\x0cWriteOutcome\x12\x1d\n\x19WRITE_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15WRITE_OUTCOME_WRITTEN\x10\x01\x12\x18\n\x14WRITE_OUTCOME_FAILED\x10\x02\x12\x19\n\x15WRITE_OUTCOME_REVOKED\x10\x03*\x9a\x01\n\x11TransferEventType\x12#\n\x1fTRANSFER_EVENT_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1dTRANSFER_EVENT_TYPE_COMPLETED\x10\x01\x12\x1d\n\x19TRANSFER_EVENT_TYPE_ENDED\x10\x02\x12\x1e\n\x1aTRANSFER_EVENT_TYPE_FAILED\x10\x03*\xac\x02\n\x11TimelineEntryKind\x12#\n\x1fTIMELINE_ENTRY_KIND_UNSPECIFIED\x10\x00\x12\"\n\x1eTIMELINE_ENTRY_KIND_REGISTERED\x10\x01\x12$\n TIMELINE_ENTRY_KIND_PREFILL_DONE\x10\x02\x12\"\n\x1eTIMELINE_ENTRY_KIND_ORDER_SENT\x10\x03\x12$\n TIMELINE_ENTRY_KIND_WRITE_RESULT\x10\x04\x12\x1f\n\x1bTIMELINE_ENTRY_KIND_REVOKED\x10\x05\x12\x1d\n\x19TIMELINE_ENTRY_KIND_ENDED\x10\x06\x12\x1e\n\x1aTIMELINE_ENTRY_KIND_FENCED\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#kvpush/rendezvous/v1/transfer.proto\x12\x14kvpush.rendezvous.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvpush/engine/v1/engine.proto\"3\n\x0bTransferKey\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\"\xa2\x01\n\x0b\x44\x65stination\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12+\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1b.kvpush.engine.v1.BlockList\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x15\n\rprompt_digest\x18\x06 \x01(\x0c\"q\n\x06Source\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12+\n\x06\x62locks\x18\x03 \x03(\x0b\x32\x1b.kvpush.engine.v1.BlockList\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"\xb9\x03\n\nWriteOrder\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12,\n\x06source\x18\x03 \x01(\x0b\x32\x1c.kvpush.rendezvous.v1.Source\x12\x36\n\x0b\x64\x65stination\x18\x04 \x01(\x0b\x32!.kvpush.rendezvous.v1.Destination\x12\x17\n\x0f\x64\x65\x63ode_tp_ranks\x18\x05 \x03(\r\x12/\n\x0cwrite_budget\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12I\n\rtrace_context\x18\x07 \x03(\x0b\x32\x32.kvpush.rendezvous.v1.WriteOrder.TraceContextEntry\x12\x30\n\rwrite_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"m\n\nRevocation\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12/\n\x06reason\x18\x02 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\"\xa5\x01\n\x0eTransferClosed\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x32\n\x05state\x18\x02 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12/\n\x06reason\x18\x03 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\"\xb6\x02\n\rTransferEvent\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x35\n\x04type\x18\x03 \x01(\x0e\x32\'.kvpush.rendezvous.v1.TransferEventType\x12\x32\n\x05state\x18\x04 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12/\n\x06reason\x18\x05 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\x12\x0e\n\x06\x64\x65tail\x18\x06 \x01(\t\x12.\n\nevent_time\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x80\x01\n\rTimelineEntry\x12\x35\n\x04kind\x18\x01 \x01(\x0e\x32\'.kvpush.rendezvous.v1.TimelineEntryKind\x12(\n\x04time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\"\xca\x03\n\x08Transfer\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kvpush.rendezvous.v1.TransferKey\x12\x19\n\x11\x63lient_request_id\x18\x02 \x01(\t\x12\x32\n\x05state\x18\x03 \x01(\x0e\x32#.kvpush.rendezvous.v1.TransferState\x12\x19\n\x11prefill_engine_id\x18\x04 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_engine_id\x18\x05 \x01(\t\x12\x39\n\rfirst_arrival\x18\x06 \x01(\x0e\x32\".kvpush.rendezvous.v1.TransferSide\x12\x33\n\nend_reason\x18\x07 \x01(\x0e\x32\x1f.kvpush.rendezvous.v1.EndReason\x12\x0e\n\x06\x64\x65tail\x18\x08 \x01(\t\x12\x0e\n\x06\x66\x65nced\x18\t \x01(\x08\x12,\n\x08\x64\x65\x61\x64line\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x35\n\x08timeline\x18\x0b \x03(\x0b\x32#.kvpush.rendezvous.v1.TimelineEntry\x12\x15\n\rbytes_written\x18\x0c \x01(\x04*\xad\x02\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12&\n\"TRANSFER_STATE_WAITING_FOR_PREFILL\x10\x01\x12+\n\'TRANSFER_STATE_WAITING_FOR_REGISTRATION\x10\x02\x12\x1a\n\x16TRANSFER_STATE_MATCHED\x10\x03\x12\x1a\n\x16TRANSFER_STATE_WRITING\x10\x04\x12\x17\n\x13TRANSFER_STATE_DONE\x10\x05\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x06\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x07\x12\x1d\n\x19TRANSFER_STATE_SUPERSEDED\x10\x08*b\n\x0cTransferSide\x12\x1d\n\x19TRANSFER_SIDE_UNSPECIFIED\x10\x00\x12\x19\n\x15TRANSFER_SIDE_PREFILL\x10\x01\x12\x18\n\x14TRANSFER_SIDE_DECODE\x10\x02*\xf0\x03\n\tEndReason\x12\x1a\n\x16\x45ND_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x45ND_REASON_COMPLETED\x10\x01\x12\"\n\x1e\x45ND_REASON_CANCELLED_BY_ROUTER\x10\x02\x12#\n\x1f\x45ND_REASON_CANCELLED_BY_PREFILL\x10\x03\x12\"\n\x1e\x45ND_REASON_CANCELLED_BY_DECODE\x10\x04\x12\x19\n\x15\x45ND_REASON_SUPERSEDED\x10\x05\x12-\n)END_REASON_REGISTRATION_DEADLINE_EXCEEDED\x10\x06\x12(\n$END_REASON_PREFILL_DEADLINE_EXCEEDED\x10\x07\x12\"\n\x1e\x45ND_REASON_PREFILL_ENGINE_LOST\x10\x08\x12!\n\x1d\x45ND_REASON_DECODE_ENGINE_LOST\x10\t\x12\x1b\n\x17\x45ND_REASON_WRITE_FAILED\x10\n\x12#\n\x1f\x45ND_REASON_TOKEN_COUNT_MISMATCH\x10\x0b\x12#\n\x1f\x45ND_REASON_REGISTRATION_REFUSED\x10\x0c\x12\x1e\n\x1a\x45ND_REASON_PROMPT_MISMATCH\x10\r*}\n\x0cWriteOutcome\x12\x1d\n\x19WRITE_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15WRITE_OUTCOME_WRITTEN\x10\x01\x12\x18\n\x14WRITE_OUTCOME_FAILED\x10\x02\x12\x19\n\x15WRITE_OUTCOME_REVOKED\x10\x03*\x9a\x01\n\x11TransferEventType\x12#\n\x1fTRANSFER_EVENT_TYPE_UNSPECIFIED\x10\x00\x12!\n\x1dTRANSFER_EVENT_TYPE_COMPLETED\x10\x01\x12\x1d\n\x19TRANSFER_EVENT_TYPE_ENDED\x10\x02\x12\x1e\n\x1aTRANSFER_EVENT_TYPE_FAILED\x10\x03*\xac\x02\n\x11TimelineEntryKind\x12#\n\x1fTIMELINE_ENTRY_KIND_UNSPECIFIED\x10\x00\x12\"\n\x1eTIMELINE_ENTRY_KIND_REGISTERED\x10\x01\x12$\n TIMELINE_ENTRY_KIND_PREFILL_DONE\x10\x02\x12\"\n\x1eTIMELINE_ENTRY_KIND_ORDER_SENT\x10\x03\x12$\n TIMELINE_ENTRY_KIND_WRITE_RESULT\x10\x04\x12\x1f\n\x1bTIMELINE_ENTRY_KIND_REVOKED\x10\x05\x12\x1d\n\x19TIMELINE_ENTRY_KIND_ENDED\x10\x06\x12\x1e\n\x1aTIMELINE_ENTRY_KIND_FENCED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,36 +36,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WRITEORDER_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_WRITEORDER_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TRANSFERSTATE']._serialized_start=2096
-  _globals['_TRANSFERSTATE']._serialized_end=2397
-  _globals['_TRANSFERSIDE']._serialized_start=2399
-  _globals['_TRANSFERSIDE']._serialized_end=2497
-  _globals['_ENDREASON']._serialized_start=2500
-  _globals['_ENDREASON']._serialized_end=2964
-  _globals['_WRITEOUTCOME']._serialized_start=2966
-  _globals['_WRITEOUTCOME']._serialized_end=3091
-  _globals['_TRANSFEREVENTTYPE']._serialized_start=3094
-  _globals['_TRANSFEREVENTTYPE']._serialized_end=3248
-  _globals['_TIMELINEENTRYKIND']._serialized_start=3251
-  _globals['_TIMELINEENTRYKIND']._serialized_end=3551
+  _globals['_TRANSFERSTATE']._serialized_start=2119
+  _globals['_TRANSFERSTATE']._serialized_end=2420
+  _globals['_TRANSFERSIDE']._serialized_start=2422
+  _globals['_TRANSFERSIDE']._serialized_end=2520
+  _globals['_ENDREASON']._serialized_start=2523
+  _globals['_ENDREASON']._serialized_end=3019
+  _globals['_WRITEOUTCOME']._serialized_start=3021
+  _globals['_WRITEOUTCOME']._serialized_end=3146
+  _globals['_TRANSFEREVENTTYPE']._serialized_start=3149
+  _globals['_TRANSFEREVENTTYPE']._serialized_end=3303
+  _globals['_TIMELINEENTRYKIND']._serialized_start=3306
+  _globals['_TIMELINEENTRYKIND']._serialized_end=3606
   _globals['_TRANSFERKEY']._serialized_start=157
   _globals['_TRANSFERKEY']._serialized_end=208
   _globals['_DESTINATION']._serialized_start=211
-  _globals['_DESTINATION']._serialized_end=350
-  _globals['_SOURCE']._serialized_start=352
-  _globals['_SOURCE']._serialized_end=465
-  _globals['_WRITEORDER']._serialized_start=468
-  _globals['_WRITEORDER']._serialized_end=909
-  _globals['_WRITEORDER_TRACECONTEXTENTRY']._serialized_start=858
-  _globals['_WRITEORDER_TRACECONTEXTENTRY']._serialized_end=909
-  _globals['_REVOCATION']._serialized_start=911
-  _globals['_REVOCATION']._serialized_end=1020
-  _globals['_TRANSFERCLOSED']._serialized_start=1023
-  _globals['_TRANSFERCLOSED']._serialized_end=1188
-  _globals['_TRANSFEREVENT']._serialized_start=1191
-  _globals['_TRANSFEREVENT']._serialized_end=1501
-  _globals['_TIMELINEENTRY']._serialized_start=1504
-  _globals['_TIMELINEENTRY']._serialized_end=1632
-  _globals['_TRANSFER']._serialized_start=1635
-  _globals['_TRANSFER']._serialized_end=2093
+  _globals['_DESTINATION']._serialized_end=373
+  _globals['_SOURCE']._serialized_start=375
+  _globals['_SOURCE']._serialized_end=488
+  _globals['_WRITEORDER']._serialized_start=491
+  _globals['_WRITEORDER']._serialized_end=932
+  _globals['_WRITEORDER_TRACECONTEXTENTRY']._serialized_start=881
+  _globals['_WRITEORDER_TRACECONTEXTENTRY']._serialized_end=932
+  _globals['_REVOCATION']._serialized_start=934
+  _globals['_REVOCATION']._serialized_end=1043
+  _globals['_TRANSFERCLOSED']._serialized_start=1046
+  _globals['_TRANSFERCLOSED']._serialized_end=1211
+  _globals['_TRANSFEREVENT']._serialized_start=1214
+  _globals['_TRANSFEREVENT']._serialized_end=1524
+  _globals['_TIMELINEENTRY']._serialized_start=1527
+  _globals['_TIMELINEENTRY']._serialized_end=1655
+  _globals['_TRANSFER']._serialized_start=1658
+  _globals['_TRANSFER']._serialized_end=2116
 # @@protoc_insertion_point(module_scope)

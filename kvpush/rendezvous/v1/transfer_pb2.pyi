@@ -45,6 +45,7 @@ class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_REASON_WRITE_FAILED: _ClassVar[EndReason]
     END_REASON_TOKEN_COUNT_MISMATCH: _ClassVar[EndReason]
     END_REASON_REGISTRATION_REFUSED: _ClassVar[EndReason]
+    END_REASON_PROMPT_MISMATCH: _ClassVar[EndReason]
 
 class WriteOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -95,6 +96,7 @@ END_REASON_DECODE_ENGINE_LOST: EndReason
 END_REASON_WRITE_FAILED: EndReason
 END_REASON_TOKEN_COUNT_MISMATCH: EndReason
 END_REASON_REGISTRATION_REFUSED: EndReason
+END_REASON_PROMPT_MISMATCH: EndReason
 WRITE_OUTCOME_UNSPECIFIED: WriteOutcome
 WRITE_OUTCOME_WRITTEN: WriteOutcome
 WRITE_OUTCOME_FAILED: WriteOutcome
@@ -121,18 +123,20 @@ class TransferKey(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class Destination(_message.Message):
-    __slots__ = ("engine_id", "incarnation", "blocks", "first_token", "num_tokens")
+    __slots__ = ("engine_id", "incarnation", "blocks", "first_token", "num_tokens", "prompt_digest")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     incarnation: str
     blocks: _containers.RepeatedCompositeFieldContainer[_engine_pb2.BlockList]
     first_token: int
     num_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[_engine_pb2.BlockList, _Mapping]]] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    prompt_digest: bytes
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[_engine_pb2.BlockList, _Mapping]]] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class Source(_message.Message):
     __slots__ = ("engine_id", "incarnation", "blocks", "num_tokens")
