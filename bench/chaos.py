@@ -44,7 +44,7 @@ third for registration and a third matched with orders nobody answers; it
 reports the control plane's RSS and PSS and the kvpush_broker_live_attempts
 gauge before, at the peak and after every attempt ended and the broker's
 retention passed. The same soak runs against an in-process control plane
-(kvpush.services.control_plane.start) for BrokerCore.memory_sizes().
+(kvpush.services.control_plane.running) for BrokerCore.memory_sizes.
 
 Every process is stopped by its process group, also on Ctrl-C; every wait
 is bounded. Logs and the JSON result go to runs/chaos-<timestamp>/.
@@ -92,6 +92,7 @@ from tests.e2e.harness import (
     prompt_token_ids,
     pss_bytes,
     reference_run,
+    rss_bytes,
     scrape_metrics,
     start_vllm_server,
 )
@@ -415,17 +416,6 @@ def kill_group(pid: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process in bytes; 0 if gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 class Stack:
@@ -822,6 +812,7 @@ class Chaos:
             cases.append(self._collide("decodes-first", round_))
             cases.append(self._collide("prefill-first", round_))
             cases.append(self._collide("other-length", round_))
+            cases.append(self._collide("other-prompt-first", round_))
         malformed = self._malformed()
         return {"collisions": cases, "malformed": malformed}
 
@@ -856,7 +847,7 @@ class Chaos:
         d_params = transfer_params("decode", transfer_id, PREFILL_ID, timeout_ms=timeout_ms)
         p_params = transfer_params("prefill", transfer_id, DECODE_ID, timeout_ms=timeout_ms)
         first = PROMPT_LENGTHS.index(300)
-        second = PROMPT_LENGTHS.index(40) if order == "other-length" else first
+        second = PROMPT_LENGTHS.index(40) if order.startswith("other") else first
         label = f"collide-{order}-{round_}"
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             if order == "prefill-first":
@@ -865,6 +856,13 @@ class Chaos:
                 d1 = pool.submit(self._direct, "decode", first, 8, d_params, f"{label}-d1")
                 time.sleep(0.05)
                 d2 = pool.submit(self._direct, "decode", second, 8, d_params, f"{label}-d2")
+            elif order == "other-prompt-first":
+                # The other prompt holds the key: P's prompt must not fill its blocks (PROMPT_MISMATCH).
+                d2 = pool.submit(self._direct, "decode", second, 8, d_params, f"{label}-d2")
+                time.sleep(0.3)
+                d1 = pool.submit(self._direct, "decode", first, 8, d_params, f"{label}-d1")
+                time.sleep(0.3)
+                p = pool.submit(self._direct, "prefill", first, 1, p_params, f"{label}-p", check_tokens=False)
             else:
                 d1 = pool.submit(self._direct, "decode", first, 8, d_params, f"{label}-d1")
                 d2 = pool.submit(self._direct, "decode", second, 8, d_params, f"{label}-d2")
@@ -1079,7 +1077,7 @@ async def _soak_both(stack: Stack, settings: Settings, log: Log) -> dict[str, An
     async with control_plane.running(ServerConfig(listen="127.0.0.1:0"), tokens=load_tokens_dir(stack.cp.tokens_dir)) as plane:
 
         def internal() -> dict[str, Any]:
-            return {"live_attempts": plane.broker.live_attempts, "memory_sizes": plane.broker.memory_sizes()}
+            return {"live_attempts": plane.broker.live_attempts, "memory_sizes": plane.broker.memory_sizes}
 
         out_ext, out_int = await asyncio.gather(
             soak(stack.cp.address, tokens, settings.soak_attempts, settings.soak_timeout_s, settings.soak_settle_s, external, log, "external"),
@@ -1172,8 +1170,12 @@ def run(settings: Settings, *, quiet: bool = False) -> dict[str, Any]:
             faults.append(chaos.run_fault(name))
         if settings.soak_attempts:
             log(f"=== soak: {settings.soak_attempts} attempts in flight at once at the control plane")
-            soak_result = asyncio.run(_soak_both(stack, settings, log))
-            soak_checks = soak_verdict(soak_result)
+            try:
+                soak_result = asyncio.run(_soak_both(stack, settings, log))
+                soak_checks = soak_verdict(soak_result)
+            except Exception as exc:  # the faults' figures are kept; the soak counts as missed
+                log(f"soak failed: {type(exc).__name__}: {exc}")
+                soak_result, soak_checks = {}, {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
             log(f"soak: {json.dumps(soak_checks)}")
         result["logs"] = {name: str(run_dir / f"{name}.log") for name in ("prefill", "decode", "router", "reference")}
         result["logs"]["control-plane"] = str(stack.cp_dir / "control-plane.log")
@@ -1236,7 +1238,9 @@ def format_report(result: dict[str, Any]) -> str:
                          + "(" + ", ".join(f"{k} x{v}" for k, v in f["direct"]["failures_by_reason"].items()) + f"), hung {f['direct']['hung']}, "
                          f"wrong {f['direct']['wrong']}")
     soak_result = result.get("soak")
-    if soak_result:
+    if soak_result and "error" in soak_result["checks"]:
+        lines.append(f"soak failed: {soak_result['checks']['error']}")
+    elif soak_result:
         c = soak_result["checks"]
         lines.append(f"soak ({soak_result['raw']['external']['attempts']} attempts): live attempts peak {c['peak_live_attempts']}, after {c['live_attempts_after']}; "
                      f"RSS {c['rss_before_mib']} -> peak {c['rss_peak_mib']} -> after {c['rss_after_mib']} MiB (allowed {c['rss_allowed_after_mib']}); "
@@ -1253,7 +1257,7 @@ def format_report(result: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--long", action="store_true", help="every fault, a minute of load before and after each, and the memory soak")
-    parser.add_argument("--faults", help=f"comma-separated faults, in order (known: {', '.join(FAULTS)})")
+    parser.add_argument("--faults", help=f"comma-separated faults, in order (known: {', '.join(FAULTS)}; '' for none: only the soak)")
     parser.add_argument("--clients", type=int, help="concurrent client threads")
     parser.add_argument("--timeout-ms", type=int, help="the router's --transfer-timeout-ms: every request's deadline")
     parser.add_argument("--pre", type=float, help="seconds of load before each fault")
@@ -1267,7 +1271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = long_settings() if args.long else short_settings()
     overrides = {
-        "faults": tuple(args.faults.split(",")) if args.faults else None, "clients": args.clients, "timeout_ms": args.timeout_ms, "pre_s": args.pre,
+        "faults": tuple(f for f in args.faults.split(",") if f) if args.faults is not None else None, "clients": args.clients, "timeout_ms": args.timeout_ms, "pre_s": args.pre,
         "post_s": args.post, "cut_s": args.cut, "stop_s": args.stop, "soak_attempts": args.soak, "run_dir": args.run_dir, "model_dir": args.model_dir,
     }
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})

@@ -21,7 +21,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvpush.connector.handoff import RecvExpected
+from kvpush.connector.handoff import DestinationReady
 from kvpush.connector.nixl_agent import HELLO
 from kvpush.connector.producer import NOTIF_PREFIX
 from kvpush.connector.transfer_thread import TransferThread
@@ -40,7 +40,7 @@ Key = tuple[str, int]
 
 @dataclass
 class Receive:
-    expected: RecvExpected
+    expected: DestinationReady
     producers: set[int] = field(default_factory=set)
     needed: int = 0  # producer ranks to hear from; 0 until the first notification says
 
@@ -102,7 +102,7 @@ class ConsumerCore:
     def busy(self) -> bool:
         return bool(self._pending)
 
-    def expect(self, recv: RecvExpected) -> None:
+    def expect(self, recv: DestinationReady) -> None:
         key = (recv.transfer_id, recv.attempt)
         held = self._pending.get(key)
         if held is not None:
@@ -196,7 +196,7 @@ class Consumer:
         self._count_lock = threading.Lock()
         self._thread = TransferThread("kvpush-consumer", core, poll_interval_s, idle_poll_s)
 
-    def expect(self, recv: RecvExpected) -> None:
+    def expect(self, recv: DestinationReady) -> None:
         with self._count_lock:
             self._pending += 1
         self._thread.put(("expect", recv))

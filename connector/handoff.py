@@ -46,7 +46,7 @@ class SourceReady:
 
 
 @dataclass(frozen=True)
-class RecvExpected:
+class DestinationReady:
     """D: a request waits for KV of this transfer attempt, for tokens [first_token, first_token + num_tokens)."""
 
     req_id: str

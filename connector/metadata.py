@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from kvpush.connector.handoff import RecvExpected, SourceReady
+from kvpush.connector.handoff import DestinationReady, SourceReady
 
 
 @dataclass
@@ -16,7 +16,7 @@ class KvpushMetadata(KVConnectorMetadata):
 
     sources: list[SourceReady] = field(default_factory=list)
     cancels: list[tuple[str, int]] = field(default_factory=list)  # P rank 0 cancels these at the broker
-    recvs: list[RecvExpected] = field(default_factory=list)
+    recvs: list[DestinationReady] = field(default_factory=list)
     fails: dict[str, str] = field(default_factory=dict)  # D: req_id -> reason; report as failed receive
     idle: bool = False  # no tokens scheduled: the worker may sleep until transfer progress
 

@@ -28,7 +28,7 @@ from kvpush import errors
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWait, DecodeWaits
-from kvpush.connector.handoff import RecvExpected, SourceReady, packed_prompt, prompt_digest
+from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.params import ParamError, TransferParams, parse
 from kvpush.connector.spans import Spans
@@ -83,8 +83,8 @@ class DecodeScheduler(_Scheduler):
     def __init__(self, config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any):
         super().__init__(config, vllm_config, kv_cache_config)
         self.waits = DecodeWaits(SystemClock(), config.hold_margin_s)
-        self._handled: set[str] = set()  # requests whose remote KV this scheduler took charge of
-        self._new_recvs: list[RecvExpected] = []
+        self._taken_over: set[str] = set()  # requests whose KV this scheduler receives from a remote prefill (from their first allocation on)
+        self._new_recvs: list[DestinationReady] = []
         # What the control loop heard, applied on the engine thread: (kind, args).
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._decoding: dict[str, tuple[DecodeWait, int]] = {}  # received, before its first decode step: (wait, received_ns)
@@ -101,7 +101,7 @@ class DecodeScheduler(_Scheduler):
     # ---- vLLM hooks ---------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if request.request_id in self._handled:
+        if request.request_id in self._taken_over:
             return 0, False
         try:
             params = parse(request.kv_transfer_params)
@@ -115,7 +115,7 @@ class DecodeScheduler(_Scheduler):
         return (missing, True) if missing > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        if request.request_id in self._handled:
+        if request.request_id in self._taken_over:
             return
         try:
             params = parse(request.kv_transfer_params)
@@ -126,7 +126,7 @@ class DecodeScheduler(_Scheduler):
                 return
         if (params is None and not refusal) or (params is not None and params.role != "decode"):
             return
-        self._handled.add(request.request_id)
+        self._taken_over.add(request.request_id)
         if params is not None and params.control_plane and params.control_plane != self.config.control_plane:
             refusal = (f"kv_transfer_params.kvpush.control_plane is {params.control_plane!r} but decode engine "
                        f"{self.config.engine_id} is registered with {self.config.control_plane!r}")
@@ -142,7 +142,7 @@ class DecodeScheduler(_Scheduler):
             return  # nothing named these blocks outside this engine: the next step reports it failed
         first_token = request.num_computed_tokens
         num_tokens = request.num_prompt_tokens - first_token
-        self._new_recvs.append(RecvExpected(wait.req_id, params.transfer_id, params.attempt, first_token, num_tokens, wait.alloc_ns, params.traceparent))
+        self._new_recvs.append(DestinationReady(wait.req_id, params.transfer_id, params.attempt, first_token, num_tokens, wait.alloc_ns, params.traceparent))
         self._register(request, params, wait, first_token, num_tokens)
 
     def _register(self, request: Any, params: TransferParams, wait: DecodeWait, first_token: int, num_tokens: int) -> None:
@@ -237,7 +237,7 @@ class DecodeScheduler(_Scheduler):
         # vLLM keeps the blocks of a request still waiting for remote KV until its receive is reported
         # finished, which DecodeWaits does only once no WRITE can land in them.
         req_id = request.request_id
-        self._handled.discard(req_id)
+        self._taken_over.discard(req_id)
         self._decoding.pop(req_id, None)
         self.waits.aborted(req_id)
         return False, None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.consumer import ConsumerCore
 from kvpush.connector.decode_waits import DecodeWaits
-from kvpush.connector.handoff import RecvExpected, SourceReady, packed_prompt, prompt_digest
+from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.params import TransferParams
 from kvpush.connector.producer import LocalLayout, ProducerCore, WritePlan
 from kvpush.engine.v1 import engine_pb2
@@ -519,7 +519,7 @@ class DecodeEngine:
         registration.destination.prompt_digest = prompt_digest(prompt_of(request.prompt_id, request.num_tokens), request.num_tokens)
         registration.deadline.CopyFrom(timestamp(self.proc.wall() + timeout_s))
         registration.hold_margin.CopyFrom(duration(self.sim.timing.hold_margin_s))
-        self.consumer.expect(RecvExpected(request.req_id, params.transfer_id, params.attempt, 0, request.num_tokens, 0, ""))
+        self.consumer.expect(DestinationReady(request.req_id, params.transfer_id, params.attempt, 0, request.num_tokens, 0, ""))
         self.waits.registered(request.req_id)
         key = params.key
 

@@ -138,15 +138,25 @@ def wait_for_port_file(process: subprocess.Popen, port_file: Path, timeout: floa
     raise RuntimeError(f"{what} did not start within {timeout:g} s")
 
 
-def pss_bytes(pid: int) -> int:
-    """Proportional set size of a process in bytes; 0 if gone."""
+def _proc_bytes(pid: int, file: str, field: str) -> int:
+    """A "<field> <n> kB" line of /proc/<pid>/<file>, in bytes; 0 if the process is gone."""
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process in bytes; 0 if gone."""
+    return _proc_bytes(pid, "smaps_rollup", "Pss:")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process in bytes; 0 if gone."""
+    return _proc_bytes(pid, "status", "VmRSS:")
 
 
 @dataclass

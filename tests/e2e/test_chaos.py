@@ -30,6 +30,9 @@ def test_the_stack_keeps_its_guarantee_under_faults(model_dir, tmp_path):
     assert by_name["p-kill"]["notes"]["new_pid"] != by_name["p-kill"]["notes"]["killed_pid"]
     collisions = by_name["collide"]["notes"]["collisions"]
     assert collisions and all(case["at_most_one_decode_answered"] for case in collisions)
+    # A key held by a request with another prompt: P refuses to fill it with its own prompt's KV.
+    [other_prompt] = [case for case in collisions if case["order"] == "other-prompt-first"]
+    assert other_prompt["broker"]["end_reason"] == "END_REASON_PROMPT_MISMATCH", other_prompt
     # Malformed parameters straight to an engine are answered (refused or served), never hung or wrong.
     malformed = by_name["collide"]["notes"]["malformed"]
     assert malformed and all(case["result"] in ("ok", "failed") for case in malformed)

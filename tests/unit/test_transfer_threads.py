@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S, Consumer, ConsumerCore, Notification, parse_notification
-from kvpush.connector.handoff import RecvExpected, SourceReady, packed_prompt, prompt_digest
+from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.nixl_agent import HELLO, KvAgent, PostedWrite
 from kvpush.connector.producer import LocalLayout, Producer, ProducerCore, build_write_plans, notification
@@ -165,7 +165,7 @@ class Pair:
         self.producer.source_ready(SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0, packed))
 
     def expect(self, transfer_id: str = "t1", req_id: str = "d-req", first_token: int = 0, num_tokens: int = 110) -> None:
-        self.consumer.expect(RecvExpected(req_id, transfer_id, 1, first_token, num_tokens, 0, ""))
+        self.consumer.expect(DestinationReady(req_id, transfer_id, 1, first_token, num_tokens, 0, ""))
 
     # ---- progress ----
 
@@ -658,7 +658,7 @@ def wait(predicate, timeout: float = 10.0):
 def test_the_threads_move_the_kv_and_hand_results_back(threads):
     pair, producer, consumer = threads
     deliver = producer.open_stream()
-    consumer.expect(RecvExpected("d-req", "t1", 1, 0, 110, time.time_ns(), ""))
+    consumer.expect(DestinationReady("d-req", "t1", 1, 0, 110, time.time_ns(), ""))
     assert consumer.has_work()
     deliver(pair.message("order", "t1"))
     producer.source_ready(SourceReady("p-req", "t1", 1, "p-req", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0))
@@ -686,7 +686,7 @@ def test_the_producer_thread_ignores_a_lost_streams_orders_and_acts_on_the_next(
 
 def test_the_consumer_thread_reports_a_failure_once(threads):
     pair, producer, consumer = threads
-    consumer.expect(RecvExpected("d-req", "t5", 1, 0, 20, time.time_ns(), ""))
+    consumer.expect(DestinationReady("d-req", "t5", 1, 0, 20, time.time_ns(), ""))
     consumer.fail("d-req", "broker ended it")
     consumer.fail("d-req", "again")
     assert wait(lambda: consumer.take_results() if consumer.ready.wait(0.05) else None) == ({"d-req"}, {"d-req"})
