@@ -153,8 +153,6 @@ class DecodeScheduler(_Scheduler):
         destination = registration.destination
         destination.engine_id, destination.incarnation = self.config.engine_id, self.incarnation
         destination.first_token, destination.num_tokens = first_token, num_tokens
-        if request.prompt_token_ids is not None:  # None: a prompt given as embeddings (not checked)
-            destination.prompt_digest = prompt_digest(packed_prompt(request.prompt_token_ids), first_token + num_tokens)
         for group, spec_group in enumerate(self.kv_cache_config.kv_cache_groups):
             block_size = spec_group.kv_cache_spec.block_size
             start = first_token // block_size
@@ -167,11 +165,14 @@ class DecodeScheduler(_Scheduler):
         registration.hold_margin.CopyFrom(duration(self.config.hold_margin_s))
         session, spans, inbox, key = self.session, self.spans, self._inbox, params.key
         parent = extract_context({"traceparent": params.traceparent}) if params.traceparent else None
+        prompt_ids = request.prompt_token_ids  # None: a prompt given as embeddings (not checked)
         self.waits.registered(wait.req_id)
 
         async def register() -> None:
             token = otel_context.attach(parent) if parent is not None else None
             start = time.time_ns()
+            if prompt_ids is not None:  # hashed here, off the engine loop
+                destination.prompt_digest = prompt_digest(packed_prompt(prompt_ids), first_token + num_tokens)
             spans.emit("d.alloc_to_register", wait.alloc_ns, start, params)
             try:
                 response = await session.broker.register_destination(registration)
