@@ -74,6 +74,7 @@ from bench.sweep_report import report, write_json
 from bench.upstream import DECODE_ENGINE_ID as UPSTREAM_DECODE_ID
 from bench.upstream import PREFILL_ENGINE_ID as UPSTREAM_PREFILL_ID
 from bench.upstream import start_upstream_pair
+from kvpush.processes import thread_cpu_seconds
 from kvpush.report.breakdown import breakdown, percentile
 from kvpush.telemetry import read_spans
 from tests.e2e.harness import (
@@ -310,8 +311,8 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
         control_plane = start_control_plane(work / "control-plane", env=env, extra_args=["--retention", "7200"])
         try:
             def start(role: str, engine_id: str, cpus: str) -> ServerHandle:
-                return start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane, **kvpush_extra), env=env,
-                                         cpu_list=cpus, log_path=work / f"{role}.log")
+                return start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane, **kvpush_extra),
+                                         env=env, cpu_list=cpus, log_path=work / f"{role}.log")
 
             with ThreadPoolExecutor(2) as pool:
                 futures = [pool.submit(start, "prefill", KVPUSH_PREFILL_ID, PREFILL_CPUS), pool.submit(start, "decode", KVPUSH_DECODE_ID, DECODE_CPUS)]
@@ -657,6 +658,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     moved_threads = stack.repin()
     before = {"P": histogram_totals(stack.prefill.url), "D": histogram_totals(stack.decode.url)}
     cpu_before = {s.mode: s.cpu_seconds() for s in stacks}
+    threads_before = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
     offset = stack.spans.offset()
 
     def done() -> None:
@@ -664,6 +666,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
 
     records, wall = asyncio.run(run_load(stack.router.url, workload, mode, args.request_timeout, done))
     cpu_after = {s.mode: s.cpu_seconds() for s in stacks}
+    threads_after = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
     # The engines publish their histograms with scheduler stats; the NIXL counts may trail the last response.
     expected_transfers = len([r for r in records if r.ok])
     deadline = time.monotonic() + METRICS_SETTLE_TIMEOUT_S
@@ -683,6 +686,10 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     summary["router"]["retried"] = sum(1 for r in router_side.values() if (r["attempt"] or 1) > 1)
     summary["engines"] = {e: {k: v["mean"] for k, v in d.items()} | {"nixl_transfers": d["nixl_bytes"]["count"]} for e, d in engines.items()}
     summary["cores_used"] = {m: {part: (cpu_after[m][part] - cpu_before[m][part]) / wall for part in cpu_after[m]} for m in cpu_after}
+    # Engine CPU per completed request: every process of this mode's P and D group (vLLM's own spin included).
+    completed = max(summary["completed"], 1)
+    summary["cpu_ms_per_request"] = {part: (cpu_after[mode][part] - cpu_before[mode][part]) * 1000 / completed for part in ("P", "D")}
+    summary["thread_cpu_ms_per_request"] = {part: thread_breakdown(threads_before[part], threads_after[part], completed) for part in ("P", "D")}
     summary["threads_repinned"] = moved_threads
     if mode == "kvpush":
         summary["kv_bytes"] = kvpush_kv_check(stack, spans, prefix, point)
@@ -702,6 +709,12 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
         "summary": summary,
         "requests": [dict(r.figures(), router=router_side.get(r.request_id)) for r in records],
     }
+
+
+def thread_breakdown(before: dict[str, float], after: dict[str, float], completed: int) -> dict[str, float]:
+    """CPU ms per completed request of each "<process>/<thread>" name that used at least 0.5 ms per request."""
+    used = {name: (seconds - before.get(name, 0.0)) * 1000 / completed for name, seconds in after.items()}
+    return dict(sorted(((n, round(ms, 2)) for n, ms in used.items() if ms >= 0.5), key=lambda item: -item[1]))
 
 
 def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
@@ -773,7 +786,8 @@ def describe(result: dict[str, Any]) -> str:
     ttft, tpot = s["ttft_ms"]["p50"], s["tpot_ms"]["p50"]
     return (f"{result['run']:<44} TTFT p50 {ttft if ttft is None else round(ttft, 1)!s:>7} ms  TPOT p50 "
             f"{tpot if tpot is None else round(tpot, 2)!s:>6} ms  done {s['completed']}/{s['requests']}  "
-            f"kept up {s['sustained_share']:.2f}  correct {correct}  kv {kv}")
+            f"kept up {s['sustained_share']:.2f}  correct {correct}  kv {kv}  CPU/req P {s['cpu_ms_per_request']['P']:.0f} "
+            f"D {s['cpu_ms_per_request']['D']:.0f} ms")
 
 
 def run_sweep(args: argparse.Namespace) -> int:

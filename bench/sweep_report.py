@@ -18,7 +18,8 @@ from typing import Any
 from kvpush.report.breakdown import SEGMENTS, percentile
 
 # Targets (issue "Benchmarks: reproduce the push-vs-pull study on this machine").
-TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.25
+TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.5  # issue 9: against the better upstream mode
+TARGET_CPU_RATIO = 0.8  # engine CPU per request, kvpush over upstream push, on P and on D
 TARGET_HANDOFF_OVERHEAD_MS = 5.0
 
 
@@ -136,6 +137,8 @@ def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, A
             "cores_p": mean(r["cores_used"][mode]["P"] for r in runs),
             "cores_d": mean(r["cores_used"][mode]["D"] for r in runs),
             "cores_other_stacks": mean(sum(sum(parts.values()) for m, parts in r["cores_used"].items() if m != mode) for r in runs),
+            "cpu_ms_per_request_p": mean(r.get("cpu_ms_per_request", {}).get("P") for r in runs),
+            "cpu_ms_per_request_d": mean(r.get("cpu_ms_per_request", {}).get("D") for r in runs),
         })
     return table
 
@@ -178,6 +181,24 @@ def targets(rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
     return verdict
 
 
+def cpu_verdict(side: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Engine CPU per request, kvpush over upstream push, for P and D at every point both ran."""
+    by_point: dict[tuple[int, int, float], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for s in side:
+        by_point[(s["input_len"], s["output_len"], s["qps"])][s["mode"]] = s
+    ratios = []
+    for point, modes in sorted(by_point.items()):
+        kv, up = modes.get("kvpush"), modes.get("upstream-push")
+        if kv is None or up is None:
+            continue
+        ratio = {e: (kv[f"cpu_ms_per_request_{e}"] / up[f"cpu_ms_per_request_{e}"]
+                     if kv[f"cpu_ms_per_request_{e}"] is not None and up[f"cpu_ms_per_request_{e}"] else None) for e in ("p", "d")}
+        ratios.append({"point": point, "p": ratio["p"], "d": ratio["d"]})
+    judged = [r for r in ratios if r["p"] is not None and r["d"] is not None]
+    return {"target": TARGET_CPU_RATIO, "met": bool(judged) and all(r["p"] <= TARGET_CPU_RATIO and r["d"] <= TARGET_CPU_RATIO for r in judged),
+            "ratios": ratios}
+
+
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> str:
     """Right-aligned text columns, or a Markdown table."""
     if markdown:
@@ -218,12 +239,14 @@ def report_tables(documents: Sequence[dict[str, Any]], modes: Sequence[str], mar
             "cores used during the run by this mode's P and D and by the other stacks' processes", ""]
     out.append(render_table(
         ["in", "out", "QPS", "mode", "P leg", "TTFT after P leg", "P queue", "P prefill", "D queue", "D prefill", "KV B/req", "P cores", "D cores",
-         "other stacks cores"],
+         "other stacks cores", "P CPU ms/req", "D CPU ms/req"],
         [[str(s["input_len"]), str(s["output_len"]), f"{s['qps']:g}", s["mode"], _fmt(s["p_leg_p50_ms"]), _fmt(s["after_p_leg_p50_ms"]),
           _fmt(s["p_queue_mean_ms"]), _fmt(s["p_prefill_mean_ms"]), _fmt(s["d_queue_mean_ms"]), _fmt(s["d_prefill_mean_ms"]),
-          _fmt(s["kv_bytes_per_request"], 0), _fmt(s["cores_p"], 2), _fmt(s["cores_d"], 2), _fmt(s["cores_other_stacks"], 3)] for s in side],
+          _fmt(s["kv_bytes_per_request"], 0), _fmt(s["cores_p"], 2), _fmt(s["cores_d"], 2), _fmt(s["cores_other_stacks"], 3),
+          _fmt(s["cpu_ms_per_request_p"]), _fmt(s["cpu_ms_per_request_d"])] for s in side],
         markdown))
     verdict = targets(rows, modes)
+    verdict["engine_cpu_per_request"] = cpu_verdict(side)
     out += ["", *verdict_lines(verdict)]
     correctness = {m: all(r["modes"][m]["correct"] for r in rows if r["modes"][m]["runs"]) for m in modes}
     kv_ok = {m: all(r["modes"][m]["kv_ok"] for r in rows if r["modes"][m]["runs"]) for m in modes}
@@ -252,6 +275,11 @@ def verdict_lines(verdict: dict[str, Any]) -> list[str]:
     tpot = verdict["tpot_no_worse_than_upstream_push"]
     lines.append(f"target: kvpush TPOT p50 no worse than upstream push's anywhere: {met(tpot['met'])} "
                  f"(worse at {len(tpot['worse_at'])} of {tpot['points']} points; (in, out, QPS, ratio): {tpot['worse_at']})")
+    cpu = verdict.get("engine_cpu_per_request")
+    if cpu is not None:
+        lines.append(f"target: engine CPU per request, kvpush <= {cpu['target']}x upstream push's on P and D: {met(cpu['met'])} "
+                     f"(kvpush/upstream-push (in, out, QPS): P, D: "
+                     + "; ".join(f"{r['point']}: {_fmt(r['p'], 2)}, {_fmt(r['d'], 2)}" for r in cpu["ratios"]) + ")")
     overhead = verdict["handoff_overhead_p50"]
     lines.append(f"target: kvpush hand-off overhead p50 <= {overhead['target_ms']} ms: {met(overhead['met'])} "
                  f"(above it in {len(overhead['above_target_at'])} points of {overhead['runs']} runs' p50s)")

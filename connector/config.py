@@ -35,7 +35,7 @@ class ConnectorConfig:
     early_orders: bool = True  # (early_orders) P matches registrations locally (see docs/design.md)
     idle_wait_ms: float = 5.0  # (idle_wait_ms) how long an idle engine step sleeps waiting for transfer progress
     poll_interval_ms: float = 0.5  # (poll_interval_ms) NIXL progress interval while a transfer is expected
-    idle_poll_ms: float = 20.0  # (idle_poll_ms) NIXL progress interval while nothing is expected
+    idle_poll_ms: float = 250.0  # (idle_poll_ms) NIXL progress interval while nothing is expected (each wake-up takes the GIL from the forward)
     lease_ttl_s: float = 3.0  # (lease_ttl_s) lease each rank asks the registrar for: a dead engine's transfers fail this long after it died
     rpc_timeout_s: float = 5.0  # (rpc_timeout_s) deadline of each control-plane call
     startup_timeout_s: float = 60.0  # (startup_timeout_s) how long registration may take at engine start

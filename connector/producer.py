@@ -172,7 +172,9 @@ class ProducerCore:
         spans,
         clock: Clock,
         plan_writes: Callable[[Source, Order, Peer], list[WritePlan]] | None = None,
+        prefill_done: Callable[[SourceReady], None] | None = None,
     ):
+        """prefill_done: tells the broker a source is ready (one rank of an engine does); called after any WRITE it could post at once."""
         self.transport = transport
         self.local = local
         self.engine_id = engine_id
@@ -180,6 +182,7 @@ class ProducerCore:
         self.spans = spans
         self.clock = clock
         self._plan_writes = plan_writes or self._build_plans
+        self._prefill_done = prefill_done
         self._released: dict[str, tuple[int, SourceReady]] = {}  # req_id -> (WRITE completion ns or 0, source)
         self._released_lock = threading.Lock()
         self.on_release: Callable[[], None] = lambda: None
@@ -228,6 +231,9 @@ class ProducerCore:
         else:
             self._sources[key] = source
             self._try_start(key)
+        if self._prefill_done is not None:
+            # After the post: with an early order the WRITE is already on its way; the broker needs this only to match.
+            self._prefill_done(ready)
 
     def stream_opened(self, stream: int) -> None:
         """A new order stream replaces the old one: orders from the old one are void (the new one resyncs them)."""

@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Protocol
 
+from kvpush.processes import name_os_thread
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,6 +53,7 @@ class TransferThread:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)
         due: float | None = None
         while not self._stop:
             try:

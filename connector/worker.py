@@ -20,6 +20,7 @@ import torch
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.control import ControlSession
+from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
@@ -112,7 +113,8 @@ class KvpushWorker:
         if self.config.role == "prefill":
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
             core = ProducerCore(self.agent, local, self.config.engine_id,
-                                lambda r: self.session.submit(broker.report_write_result(r), "ReportWriteResult"), self.spans, clock)
+                                lambda r: self.session.submit(broker.report_write_result(r), "ReportWriteResult"), self.spans, clock,
+                                prefill_done=self._report_prefill_done if self.tp_rank == 0 else None)
             self.producer = Producer(core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
             self.session.follow("WatchEngines", lambda: self.session.registrar.watch_engines(watch), self.producer.on_engine_event)
@@ -176,11 +178,11 @@ class KvpushWorker:
         for source in meta.sources:
             self.producer.source_ready(source, ready_event)
             if self.tp_rank == 0:
-                self._report_prefill_done(source, now_ns)
+                self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
+                self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
 
-    def _report_prefill_done(self, source, now_ns: int) -> None:
-        self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
-        self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
+    def _report_prefill_done(self, source: SourceReady) -> None:
+        """On the transfer thread, after any WRITE its early order allowed was posted."""
         request = rv_pb.ReportPrefillDoneRequest(client_request_id=source.client_request_id, decode_engine_id=source.decode_engine_id)
         request.key.transfer_id, request.key.attempt = source.transfer_id, source.attempt
         request.source.engine_id, request.source.incarnation, request.source.num_tokens = self.config.engine_id, self.incarnation, source.num_tokens

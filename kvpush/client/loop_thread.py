@@ -11,6 +11,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from kvpush.processes import name_os_thread
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -38,6 +40,7 @@ class LoopThread:
         started.wait()
 
     def _run(self, started: threading.Event) -> None:
+        name_os_thread(self._thread.name)
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(started.set)
         try:

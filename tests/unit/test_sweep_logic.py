@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from bench.sweep import Point, build_grid, make_workload, requests_for
-from bench.sweep_report import targets
+from bench.sweep_report import cpu_verdict, targets
 
 MODES = ("kvpush", "upstream-push", "pull")
 
@@ -44,7 +44,7 @@ def row(qps, kvpush, upstream_push, pull, tpot_ratio, overheads=(4.0,), sustaine
 
 
 def test_targets_met_when_kvpush_wins_everywhere_by_enough_at_the_top_load():
-    verdict = targets([row(1, 30.0, 33.0, 35.0, 0.9), row(8, 40.0, 52.0, 50.0, 1.0)], MODES)
+    verdict = targets([row(1, 30.0, 33.0, 35.0, 0.9), row(8, 40.0, 62.0, 60.0, 1.0)], MODES)
     assert verdict["ttft_below_both_everywhere"]["met"]
     assert verdict["ttft_ratio_at_high_load"]["met"]
     assert verdict["ttft_ratio_at_high_load"]["per_series"][0]["highest_qps_all_modes_keep_up"] == 8
@@ -58,7 +58,7 @@ def test_targets_name_the_points_that_miss():
     verdict = targets(rows, MODES)
     assert verdict["ttft_below_both_everywhere"] == {"met": False, "points": 3, "missed_at": [(256, 16, 1), (256, 16, 16)]}
     high = verdict["ttft_ratio_at_high_load"]
-    # QPS 16 did not keep up, so the judged point is QPS 8, where 44/40 = 1.1 < 1.25.
+    # QPS 16 did not keep up, so the judged point is QPS 8, where 44/40 = 1.1 < 1.5.
     assert not high["met"] and high["per_series"][0]["highest_qps_all_modes_keep_up"] == 8
     assert high["per_series"][0]["highest_qps"] == 16
     assert verdict["tpot_no_worse_than_upstream_push"]["worse_at"] == [(256, 16, 1, 1.2)]
@@ -67,3 +67,15 @@ def test_targets_name_the_points_that_miss():
 
 def test_targets_need_all_three_modes():
     assert targets([row(1, 30.0, 33.0, 35.0, 0.9)], ("kvpush", "upstream-push")) == {"note": "targets need all three modes"}
+
+
+def side(qps, mode, p_ms, d_ms):
+    return {"input_len": 256, "output_len": 16, "qps": qps, "mode": mode, "cpu_ms_per_request_p": p_ms, "cpu_ms_per_request_d": d_ms}
+
+
+def test_cpu_target_compares_kvpush_with_upstream_push_on_each_engine():
+    met = cpu_verdict([side(1, "kvpush", 40.0, 80.0), side(1, "upstream-push", 100.0, 100.0), side(1, "pull", 1.0, 1.0)])
+    assert met["met"] and met["ratios"] == [{"point": (256, 16, 1), "p": 0.4, "d": 0.8}]
+    missed = cpu_verdict([side(1, "kvpush", 40.0, 81.0), side(1, "upstream-push", 100.0, 100.0)])
+    assert not missed["met"] and missed["ratios"][0]["d"] == 0.81
+    assert not cpu_verdict([side(1, "kvpush", 40.0, 80.0)])["met"]  # nothing to compare with

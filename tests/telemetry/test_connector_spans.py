@@ -1,0 +1,81 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""The connector's span recorder: segments recorded on the hot path become spans later, and unsampled requests cost nothing."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
+
+from kvpush.connector.spans import Spans, parent_sampled
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+SAMPLED = f"00-{TRACE}-b7ad6b7169203331-01"
+NOT_SAMPLED = f"00-{TRACE}-b7ad6b7169203331-00"
+
+
+@dataclass
+class Request:
+    transfer_id: str
+    attempt: int
+    traceparent: str
+    client_request_id: str = "client-1"
+
+
+def provider_with(sampler) -> tuple[TracerProvider, InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return provider, exporter
+
+
+def test_traceparent_flags():
+    assert parent_sampled(SAMPLED) and not parent_sampled(NOT_SAMPLED)
+    assert parent_sampled("garbage")  # unreadable: let the SDK's sampler decide
+
+
+def test_segments_become_child_spans_only_when_built():
+    provider, exporter = provider_with(ParentBased(ALWAYS_ON))
+    spans = Spans("prefill-1", "prefill", provider)
+    spans.emit("p.write_post", 1_000, 3_000, Request("t1", 2, SAMPLED), writes=1, error="")
+    assert exporter.get_finished_spans() == ()  # the hot path only recorded it
+    spans.flush()
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "p.write_post" and (span.start_time, span.end_time) == (1_000, 3_000)
+    assert format(span.context.trace_id, "032x") == TRACE and format(span.parent.span_id, "016x") == "b7ad6b7169203331"
+    assert span.attributes["kvpush.transfer_id"] == "t1" and span.attributes["kvpush.attempt"] == 2
+    assert span.attributes["kvpush.writes"] == 1 and "kvpush.error" not in span.attributes
+    assert span.attributes["kvpush.role"] == "prefill" and span.attributes["kvpush.engine_id"] == "prefill-1"
+
+
+def test_unsampled_requests_are_dropped_before_recording():
+    provider, exporter = provider_with(ParentBased(TraceIdRatioBased(0.0)))
+    spans = Spans("decode-1", "decode", provider)
+    spans.emit("d.wait_for_kv", 1, 2, Request("t1", 1, NOT_SAMPLED))
+    assert not spans._pending
+    spans.emit("d.wait_for_kv", 1, 2, Request("t2", 1, SAMPLED))  # the router sampled this one: D follows
+    spans.flush()
+    assert [s.attributes["kvpush.transfer_id"] for s in exporter.get_finished_spans()] == ["t2"]
+
+
+def test_a_sampler_that_ignores_parents_decides_for_itself():
+    provider, exporter = provider_with(ALWAYS_ON)
+    spans = Spans("decode-1", "decode", provider)
+    spans.emit("d.wait_for_kv", 1, 2, Request("t1", 1, NOT_SAMPLED))
+    spans.flush()
+    assert len(exporter.get_finished_spans()) == 1
+
+
+def test_the_builder_thread_emits_without_a_flush():
+    provider, exporter = provider_with(ParentBased(ALWAYS_ON))
+    spans = Spans("prefill-1", "prefill", provider)
+    spans.emit("p.queue", 1, 2, Request("t1", 1, SAMPLED))
+    deadline = time.monotonic() + 5
+    while not exporter.get_finished_spans() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [s.name for s in exporter.get_finished_spans()] == ["p.queue"]
