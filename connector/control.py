@@ -16,6 +16,7 @@ from typing import Any
 from kvpush import errors
 from kvpush.client import BrokerClient, ClientConfig, LoopThread, RegistrarClient
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.report_stream import ReportStream
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 
 logger = logging.getLogger(__name__)
@@ -42,19 +43,11 @@ class ControlSession:
         self._tasks: list[Any] = []
         self._closed = False
 
-    def submit(self, coro, what: str = "") -> None:
-        """Runs coro on the loop, fire-and-forget; a kvpush error is logged in one line naming `what`."""
-        if self._closed:
-            coro.close()
-            return
-
-        async def logged() -> None:
-            try:
-                await coro
-            except errors.KvpushError as exc:
-                logger.warning("kvpush: %s failed: %s", what or "control-plane call", exc)
-
-        self.loop.submit(logged())
+    def report_stream(self, engine_id: str) -> ReportStream:
+        """Opens this session's EngineReports stream for engine_id; it stays open (reopened after failures) until close()."""
+        stream = ReportStream(self.broker, engine_id, self.loop.loop, self.config.rpc_timeout_s, lambda: self._closed)
+        self._tasks.append(self.loop.submit(stream.run()))
+        return stream
 
     def register_rank(self, request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankResponse:
         """Registers this worker's rank, retrying until startup_timeout_s; blocks (engine start only)."""

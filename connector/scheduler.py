@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry import context as otel_context
 from vllm.v1.request import RequestStatus
 
 from kvpush import errors
@@ -31,11 +30,11 @@ from kvpush.connector.decode_waits import DecodeWait, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.params import ParamError, TransferParams, parse
+from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.connector.spans import Spans
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.common.clock import SystemClock, timestamp
 from kvpush.services.common.validation import duration
-from kvpush.telemetry import extract_context
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +87,14 @@ class DecodeScheduler(_Scheduler):
         # What the control loop heard, applied on the engine thread: (kind, args).
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._decoding: dict[str, tuple[DecodeWait, int]] = {}  # received, before its first decode step: (wait, received_ns)
+        self.reports: ReportStream | None = None
+        self._outgoing: list[Report] = []  # registrations and cancellations of this step, sent at its end
 
     def on_handshake(self, handshakes: dict[tuple[int, int], KvpushHandshake]) -> None:
         """Workers registered their ranks; the decode scheduler opens its own control session."""
         super().on_handshake(handshakes)
         self.session = ControlSession(self.config, "kvpush-control-scheduler")
+        self.reports = self.session.report_stream(self.config.engine_id)
         request = rv_pb.StreamTransferEventsRequest(engine_id=self.config.engine_id, incarnation=self.incarnation)
         broker = self.session.broker
         self.session.follow("StreamTransferEvents", lambda: broker.stream_transfer_events(request),
@@ -160,41 +162,37 @@ class DecodeScheduler(_Scheduler):
             destination.blocks.add(group_index=group, block_ids=table[group][start : start + count])
         remaining = wait.deadline - time.monotonic()
         registration.timeout.CopyFrom(duration(remaining))
-        # The deadline itself, so neither a retry nor transit time can let the broker extend it.
+        # The deadline itself, so neither a resend nor transit time can let the broker extend it.
         registration.deadline.CopyFrom(timestamp(time.time() + remaining))
         registration.hold_margin.CopyFrom(duration(self.config.hold_margin_s))
-        session, spans, inbox, key = self.session, self.spans, self._inbox, params.key
-        parent = extract_context({"traceparent": params.traceparent}) if params.traceparent else None
+        if params.traceparent:
+            registration.trace_context["traceparent"] = params.traceparent
+        spans, inbox, key = self.spans, self._inbox, params.key
         prompt_ids = request.prompt_token_ids  # None: a prompt given as embeddings (not checked)
         self.waits.registered(wait.req_id)
 
-        async def register() -> None:
-            token = otel_context.attach(parent) if parent is not None else None
-            start = time.time_ns()
-            if prompt_ids is not None:  # hashed here, off the engine loop
+        def prepare() -> None:  # on the control loop, right before it is sent
+            if prompt_ids is not None:
                 destination.prompt_digest = prompt_digest(packed_prompt(prompt_ids), first_token + num_tokens)
-            spans.emit("d.alloc_to_register", wait.alloc_ns, start, params)
-            try:
-                response = await session.broker.register_destination(registration)
-                inbox.put(("answered", key, response.state, response.fenced))
-            except (errors.Unavailable, errors.DeadlineExceeded) as exc:
-                # The broker may or may not hold it: the broker's word or the hold margin frees the blocks.
-                logger.warning("kvpush: registration of %s uncertain (%s); waiting for the transfer", key, exc)
-            except errors.KvpushError as exc:
-                inbox.put(("refused", key, str(exc), exc.metadata.get("fenced") == "true"))
-            finally:
-                spans.emit("d.register_rpc", start, time.time_ns(), params)
-                if token is not None:
-                    otel_context.detach(token)
+            spans.emit("d.alloc_to_register", wait.alloc_ns, time.time_ns(), params)
 
-        session.submit(register(), "RegisterDestination")
+        def answered(answer, error) -> None:
+            spans.emit("d.register_rpc", report.sent_ns, time.time_ns(), params)
+            if error is None:
+                inbox.put(("answered", key, answer.response.state, answer.response.fenced))
+            elif isinstance(error, (errors.Unavailable, errors.DeadlineExceeded)):
+                # The broker may or may not hold it: the broker's word or the hold margin frees the blocks.
+                logger.warning("kvpush: registration of %s uncertain (%s); waiting for the transfer", key, error)
+            else:
+                inbox.put(("refused", key, str(error), error.metadata.get("fenced") == "true"))
+
+        report = Report("registrations", registration, answered, prepare)
+        self._outgoing.append(report)
 
     def _cancel(self, key: tuple[str, int], detail: str) -> None:
-        if self.session is None:
-            return
         request = rv_pb.CancelTransferRequest(detail=detail)
         request.key.transfer_id, request.key.attempt = key
-        self.session.submit(self.session.broker.cancel_transfer(request), f"CancelTransfer {key}")
+        self._outgoing.append(Report("cancels", request))
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
         now_ns = time.time_ns()
@@ -205,6 +203,10 @@ class DecodeScheduler(_Scheduler):
             self._cancel(key, "decode side gave up on its KV")
         meta.fails = fails
         meta.recvs, self._new_recvs = self._new_recvs, []
+        if self._outgoing and self.reports is not None:
+            # This step's registrations and cancellations leave in one message.
+            self.reports.send_many(self._outgoing)
+            self._outgoing = []
         for req_id in scheduler_output.num_scheduled_tokens:
             decoding = self._decoding.pop(req_id, None)
             if decoding is not None:

@@ -25,6 +25,7 @@ from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
 from kvpush.connector.producer import LocalLayout, Producer, ProducerCore
+from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.connector.spans import Spans
 from kvpush.engine.v1 import engine_pb2
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -77,6 +78,7 @@ class KvpushWorker:
         self.spans = Spans(config.engine_id, config.role)
         self.agent: KvAgent | None = None
         self.session: ControlSession | None = None
+        self.reports: ReportStream | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self.memory_is_device = False
@@ -111,9 +113,10 @@ class KvpushWorker:
         broker = self.session.broker
         clock = SystemClock()
         if self.config.role == "prefill":
+            self.reports = self.session.report_stream(self.config.engine_id)
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
             core = ProducerCore(self.agent, local, self.config.engine_id,
-                                lambda r: self.session.submit(broker.report_write_result(r), "ReportWriteResult"), self.spans, clock,
+                                lambda r: self.reports.send(Report("write_results", r)), self.spans, clock,
                                 prefill_done=self._report_prefill_done if self.tp_rank == 0 else None)
             self.producer = Producer(core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
@@ -162,10 +165,12 @@ class KvpushWorker:
             for req_id, reason in meta.fails.items():
                 self.consumer.fail(req_id, reason)
         if meta.cancels and self.tp_rank == 0:
+            cancels = []
             for transfer_id, attempt in meta.cancels:
                 request = rv_pb.CancelTransferRequest(detail="prefill request aborted")
                 request.key.transfer_id, request.key.attempt = transfer_id, attempt
-                self.session.submit(self.session.broker.cancel_transfer(request), "CancelTransfer")
+                cancels.append(Report("cancels", request))
+            self.reports.send_many(cancels)
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         if self.producer is None or not meta.sources:
@@ -189,16 +194,17 @@ class KvpushWorker:
         for group, ids in enumerate(source.blocks):
             request.source.blocks.add(group_index=group, block_ids=ids)
         request.timeout.FromMilliseconds(int(source.hold_s * 1000))
-        broker, spans = self.session.broker, self.spans
+        if source.traceparent:
+            request.trace_context["traceparent"] = source.traceparent
+        spans = self.spans
 
-        async def report() -> None:
-            start = time.time_ns()
-            try:
-                await broker.report_prefill_done(request)
-            finally:
-                spans.emit("p.prefill_done_report", start, time.time_ns(), source)
+        def answered(answer, error) -> None:
+            spans.emit("p.prefill_done_report", report.sent_ns, time.time_ns(), source)
+            if error is not None:
+                logger.warning("kvpush: prefill-done of %s/%s failed: %s", source.transfer_id, source.attempt, error)
 
-        self.session.submit(report(), "ReportPrefillDone")
+        report = Report("prefill_done", request, answered)
+        self.reports.send(report)
 
     def get_transfer_results(self, meta: KvpushMetadata | None) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""

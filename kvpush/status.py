@@ -9,6 +9,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from kvpush import errors
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 
 
 def to_status(err: errors.KvpushError) -> grpc.Status:
@@ -48,4 +49,19 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.KvpushError:
     err = cls(message or code.name, reason=reason, field=metadata.get("field", ""), metadata=metadata)
     if cls is errors.KvpushError:
         err.code = code.name
+    return err
+
+
+def to_item_error(err: errors.KvpushError, item: rv_pb.ItemError) -> None:
+    """Fills an EngineReports item's ItemError with what a unary call's status would carry."""
+    item.code, item.message, item.reason = err.code, err.message, err.reason
+    item.metadata.update(err.metadata)
+
+
+def from_item_error(item: rv_pb.ItemError) -> errors.KvpushError:
+    """The kvpush.errors exception an EngineReports item's ItemError stands for."""
+    cls = errors.ERRORS_BY_CODE.get(item.code, errors.KvpushError)
+    err = cls(item.message or item.code, reason=item.reason or item.code, field=item.metadata.get("field", ""), metadata=dict(item.metadata))
+    if cls is errors.KvpushError:
+        err.code = item.code or "UNKNOWN"
     return err

@@ -7,7 +7,7 @@ from __future__ import annotations
 from opentelemetry import trace
 
 from kvpush.client.config import ClientConfig
-from kvpush.client.rpc import ServiceClient, StreamCall
+from kvpush.client.rpc import BidiStreamCall, ServiceClient, StreamCall
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as pb_grpc
 from kvpush.telemetry.context import ATTR_ENGINE_ID, span_attributes
@@ -79,6 +79,15 @@ class BrokerClient(ServiceClient):
         return self._stream(
             StreamCall, "StreamWriteOrders", request, timeout_s, {ATTR_ENGINE_ID: request.engine_id}
         )
+
+    def engine_reports(self, engine_id: str, *, timeout_s: float | None = None) -> BidiStreamCall[pb.EngineReportsRequest, pb.EngineReportsResponse]:
+        """Opens an engine's EngineReports stream: write() batches of per-request messages, read one answer per batch.
+
+        Not retried: after a failed stream the caller resends what was not
+        answered (every item is keyed on its attempt, so a repeat is
+        idempotent like a retried unary call).
+        """
+        return self._stream(BidiStreamCall, "EngineReports", None, timeout_s, {ATTR_ENGINE_ID: engine_id})
 
     def stream_transfer_events(self, request: pb.StreamTransferEventsRequest, *, timeout_s: float | None = None) -> StreamCall[pb.StreamTransferEventsResponse]:
         """Streams the end of every transfer to one decode engine."""

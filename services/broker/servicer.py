@@ -4,18 +4,24 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 import grpc
 from opentelemetry import context as otel_context
 
+from kvpush import status
 from kvpush.engine.v1 import engine_pb2
-from kvpush.errors import PermissionDenied, Reason
+from kvpush.errors import Internal, InvalidArgument, KvpushError, PermissionDenied, Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker.core import Actor, BrokerCore, EngineDirectory
 from kvpush.services.common import validation
 from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.rpc import drain_to_stream, rpc_method
+from kvpush.telemetry import extract_context
+
+logger = logging.getLogger(__name__)
 
 # The longest GetTransfer.wait honoured.
 MAX_GET_TRANSFER_WAIT_S = 600.0
@@ -76,11 +82,51 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         engine_id = self._auth.transfer_caller(context)
         if engine_id is None:
             return self._core.cancel(request.key, Actor.ROUTER, request.detail)
+        return self._core.cancel(request.key, self._engine_actor(engine_id), request.detail, engine_id)
+
+    def _engine_actor(self, engine_id: str) -> Actor:
         engine = self._directory.get_engine(engine_id)
         if engine is None:
             raise PermissionDenied(f"{engine_id!r} is neither the router nor a registered engine", reason=Reason.ENGINE_IDENTITY_MISMATCH)
-        actor = Actor.PREFILL if engine.role == engine_pb2.ENGINE_ROLE_PREFILL else Actor.DECODE
-        return self._core.cancel(request.key, actor, request.detail, engine_id)
+        return Actor.PREFILL if engine.role == engine_pb2.ENGINE_ROLE_PREFILL else Actor.DECODE
+
+    @rpc_method
+    async def EngineReports(self, requests, context: grpc.aio.ServicerContext) -> None:
+        identity = self._auth.engine_identity(context, "engine_id")  # once per stream
+        engine_id = None
+        async for batch in requests:
+            if engine_id is None:
+                if not self._auth.acting_for(identity, batch.engine_id, "engine_id"):
+                    raise InvalidArgument(f"engine_id {batch.engine_id!r} is not a valid engine id", reason=Reason.FIELD_INVALID, field="engine_id")
+                engine_id = batch.engine_id
+            elif batch.engine_id != engine_id:
+                raise InvalidArgument(f"engine_id changed from {engine_id!r} to {batch.engine_id!r} on one stream",
+                                      reason=Reason.FIELD_INVALID, field="engine_id")
+            await context.write(self._answer_batch(identity, batch))
+
+    def _answer_batch(self, identity: str, batch: rv_pb.EngineReportsRequest) -> rv_pb.EngineReportsResponse:
+        """Applies every item as its unary call would, in order; a refused item gets its status, the others go on."""
+        response = rv_pb.EngineReportsResponse()
+        core, act_for = self._core, self._auth.acting_for
+        for item in batch.registrations:
+            answer = response.registrations.add(key=item.key)
+            with _item_errors(answer):
+                caller = act_for(identity, item.destination.engine_id, "destination.engine_id")
+                answer.response.CopyFrom(core.register_destination(item, caller, _trace_context(item)))
+        for item in batch.prefill_done:
+            answer = response.prefill_done.add(key=item.key)
+            with _item_errors(answer):
+                caller = act_for(identity, item.source.engine_id, "source.engine_id")
+                answer.state = core.report_prefill_done(item, caller, _trace_context(item)).state
+        for item in batch.write_results:
+            answer = response.write_results.add(key=item.key)
+            with _item_errors(answer):
+                answer.state = core.report_write_result(item, act_for(identity, item.engine_id, "engine_id")).state
+        for item in batch.cancels:
+            answer = response.cancels.add(key=item.key)
+            with _item_errors(answer):
+                answer.response.CopyFrom(core.cancel(item.key, self._engine_actor(identity), item.detail, identity))
+        return response
 
     @rpc_method
     async def GetTransfer(self, request: rv_pb.GetTransferRequest, context: grpc.aio.ServicerContext) -> rv_pb.GetTransferResponse:
@@ -118,3 +164,20 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
             await drain_to_stream(subscription.outbox, context, lambda: subscription.active)
         finally:
             self._core.unsubscribe(subscription)
+
+
+def _trace_context(item) -> otel_context.Context:
+    """The request's trace context: the item's own in a batch, else the call's."""
+    return extract_context(item.trace_context) if item.trace_context else otel_context.get_current()
+
+
+@contextlib.contextmanager
+def _item_errors(answer):
+    """Turns an item's failure into its answer's ItemError (an unexpected one into INTERNAL, logged)."""
+    try:
+        yield
+    except KvpushError as err:
+        status.to_item_error(err, answer.error)
+    except Exception:
+        logger.exception("EngineReports item %s failed", answer.key)
+        status.to_item_error(Internal("internal error; see the server log", reason=Reason.INTERNAL), answer.error)

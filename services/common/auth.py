@@ -123,7 +123,11 @@ class Authenticator:
         An engine_id that is not a valid id returns "" so the core reports
         the malformed field; every valid one must be the caller's.
         """
-        name = self.engine_identity(context, field)
+        return self.acting_for(self.engine_identity(context, field), engine_id, field)
+
+    @staticmethod
+    def acting_for(name: str, engine_id: str, field: str) -> str:
+        """engine_caller for an identity already proven (an EngineReports stream's, once per stream)."""
         if ID_PATTERN.fullmatch(engine_id) is None:
             return ""
         if name != engine_id:

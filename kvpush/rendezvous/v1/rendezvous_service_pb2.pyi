@@ -12,7 +12,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterDestinationRequest(_message.Message):
-    __slots__ = ("key", "client_request_id", "prefill_engine_id", "destination", "timeout", "deadline", "hold_margin")
+    __slots__ = ("key", "client_request_id", "prefill_engine_id", "destination", "timeout", "deadline", "hold_margin", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     KEY_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +27,7 @@ class RegisterDestinationRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_FIELD_NUMBER: _ClassVar[int]
     HOLD_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     key: _transfer_pb2.TransferKey
     client_request_id: str
     prefill_engine_id: str
@@ -27,7 +35,8 @@ class RegisterDestinationRequest(_message.Message):
     timeout: _duration_pb2.Duration
     deadline: _timestamp_pb2.Timestamp
     hold_margin: _duration_pb2.Duration
-    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., destination: _Optional[_Union[_transfer_pb2.Destination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., hold_margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., prefill_engine_id: _Optional[str] = ..., destination: _Optional[_Union[_transfer_pb2.Destination, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., hold_margin: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RegisterDestinationResponse(_message.Message):
     __slots__ = ("state", "first_arrival", "deadline", "expected_notifications", "fenced")
@@ -44,18 +53,27 @@ class RegisterDestinationResponse(_message.Message):
     def __init__(self, state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., first_arrival: _Optional[_Union[_transfer_pb2.TransferSide, str]] = ..., deadline: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expected_notifications: _Optional[_Iterable[int]] = ..., fenced: _Optional[bool] = ...) -> None: ...
 
 class ReportPrefillDoneRequest(_message.Message):
-    __slots__ = ("key", "client_request_id", "decode_engine_id", "source", "timeout")
+    __slots__ = ("key", "client_request_id", "decode_engine_id", "source", "timeout", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     KEY_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DECODE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     key: _transfer_pb2.TransferKey
     client_request_id: str
     decode_engine_id: str
     source: _transfer_pb2.Source
     timeout: _duration_pb2.Duration
-    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., source: _Optional[_Union[_transfer_pb2.Source, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., client_request_id: _Optional[str] = ..., decode_engine_id: _Optional[str] = ..., source: _Optional[_Union[_transfer_pb2.Source, _Mapping]] = ..., timeout: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ReportPrefillDoneResponse(_message.Message):
     __slots__ = ("state", "first_arrival", "deadline")
@@ -178,3 +196,78 @@ class StreamTransferEventsResponse(_message.Message):
     EVENT_FIELD_NUMBER: _ClassVar[int]
     event: _transfer_pb2.TransferEvent
     def __init__(self, event: _Optional[_Union[_transfer_pb2.TransferEvent, _Mapping]] = ...) -> None: ...
+
+class EngineReportsRequest(_message.Message):
+    __slots__ = ("engine_id", "registrations", "prefill_done", "write_results", "cancels")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    registrations: _containers.RepeatedCompositeFieldContainer[RegisterDestinationRequest]
+    prefill_done: _containers.RepeatedCompositeFieldContainer[ReportPrefillDoneRequest]
+    write_results: _containers.RepeatedCompositeFieldContainer[ReportWriteResultRequest]
+    cancels: _containers.RepeatedCompositeFieldContainer[CancelTransferRequest]
+    def __init__(self, engine_id: _Optional[str] = ..., registrations: _Optional[_Iterable[_Union[RegisterDestinationRequest, _Mapping]]] = ..., prefill_done: _Optional[_Iterable[_Union[ReportPrefillDoneRequest, _Mapping]]] = ..., write_results: _Optional[_Iterable[_Union[ReportWriteResultRequest, _Mapping]]] = ..., cancels: _Optional[_Iterable[_Union[CancelTransferRequest, _Mapping]]] = ...) -> None: ...
+
+class EngineReportsResponse(_message.Message):
+    __slots__ = ("registrations", "prefill_done", "write_results", "cancels")
+    REGISTRATIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    WRITE_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    CANCELS_FIELD_NUMBER: _ClassVar[int]
+    registrations: _containers.RepeatedCompositeFieldContainer[RegistrationAnswer]
+    prefill_done: _containers.RepeatedCompositeFieldContainer[ReportAnswer]
+    write_results: _containers.RepeatedCompositeFieldContainer[ReportAnswer]
+    cancels: _containers.RepeatedCompositeFieldContainer[CancelAnswer]
+    def __init__(self, registrations: _Optional[_Iterable[_Union[RegistrationAnswer, _Mapping]]] = ..., prefill_done: _Optional[_Iterable[_Union[ReportAnswer, _Mapping]]] = ..., write_results: _Optional[_Iterable[_Union[ReportAnswer, _Mapping]]] = ..., cancels: _Optional[_Iterable[_Union[CancelAnswer, _Mapping]]] = ...) -> None: ...
+
+class RegistrationAnswer(_message.Message):
+    __slots__ = ("key", "response", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    response: RegisterDestinationResponse
+    error: ItemError
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., response: _Optional[_Union[RegisterDestinationResponse, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class ReportAnswer(_message.Message):
+    __slots__ = ("key", "state", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    state: _transfer_pb2.TransferState
+    error: ItemError
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., state: _Optional[_Union[_transfer_pb2.TransferState, str]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class CancelAnswer(_message.Message):
+    __slots__ = ("key", "response", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: _transfer_pb2.TransferKey
+    response: CancelTransferResponse
+    error: ItemError
+    def __init__(self, key: _Optional[_Union[_transfer_pb2.TransferKey, _Mapping]] = ..., response: _Optional[_Union[CancelTransferResponse, _Mapping]] = ..., error: _Optional[_Union[ItemError, _Mapping]] = ...) -> None: ...
+
+class ItemError(_message.Message):
+    __slots__ = ("code", "message", "reason", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    reason: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -72,6 +72,11 @@ class RendezvousServiceStub:
                 request_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.StreamTransferEventsRequest.SerializeToString,
                 response_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.StreamTransferEventsResponse.FromString,
                 _registered_method=True)
+        self.EngineReports = channel.stream_stream(
+                '/kvpush.rendezvous.v1.RendezvousService/EngineReports',
+                request_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsRequest.SerializeToString,
+                response_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServiceServicer:
@@ -129,6 +134,16 @@ class RendezvousServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EngineReports(self, request_iterator, context):
+        """Carries one engine's per-request messages (registrations, prefill-done
+        reports, write results, cancellations) in batches on one long-lived
+        stream, each batch answered item by item on the same stream. The caller
+        is authorized once, when the stream opens; every item must be its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +181,11 @@ def add_RendezvousServiceServicer_to_server(servicer, server):
                     servicer.StreamTransferEvents,
                     request_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.StreamTransferEventsRequest.FromString,
                     response_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.StreamTransferEventsResponse.SerializeToString,
+            ),
+            'EngineReports': grpc.stream_stream_rpc_method_handler(
+                    servicer.EngineReports,
+                    request_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsRequest.FromString,
+                    response_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +380,33 @@ class RendezvousService:
             '/kvpush.rendezvous.v1.RendezvousService/StreamTransferEvents',
             kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.StreamTransferEventsRequest.SerializeToString,
             kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.StreamTransferEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EngineReports(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpush.rendezvous.v1.RendezvousService/EngineReports',
+            kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsRequest.SerializeToString,
+            kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsResponse.FromString,
             options,
             channel_credentials,
             insecure,

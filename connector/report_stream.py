@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One engine's EngineReports stream: per-request messages go to the broker in batches, answers come back on it.
+
+Every per-request message an engine (or a rank of it) sends the broker,
+registrations, prefill-done reports, write results and cancellations, goes
+on this one long-lived stream instead of a unary call each: items queued
+from any thread meanwhile leave together in one message, the broker
+authorizes the stream once, and it answers each batch, item by item, on the
+same stream and in order.
+
+After a stream fails, the items it left unanswered go out again first on
+the next one while they are younger than the RPC timeout: the broker keys
+every item on its attempt, so a repeat is idempotent, as a retried unary
+call is. An item with no answer within the RPC timeout (the stream stalled,
+or the broker stayed unreachable) is answered with DeadlineExceeded, as a
+unary call's deadline would: whether the broker applied it is unknown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush import errors, status
+from kvpush.client import BrokerClient
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("registrations", "prefill_done", "write_results", "cancels")
+# Items per message: keeps a batch far below gRPC's 4 MiB message limit.
+MAX_BATCH_ITEMS = 256
+RECONNECT_BACKOFF_S = (0.05, 2.0)
+
+# answer: the item's RegistrationAnswer / ReportAnswer / CancelAnswer, or None with the error.
+OnAnswer = Callable[[Any, "errors.KvpushError | None"], None]
+
+
+@dataclass
+class Report:
+    """One item for the broker."""
+
+    kind: str  # one of KINDS
+    message: Any  # the unary call's request message
+    on_answer: OnAnswer | None = None  # called on the control loop with (answer, None) or (None, error)
+    prepare: Callable[[], None] | None = None  # runs on the control loop right before the item is first sent
+    sent_ns: int = 0  # wall clock, when first sent
+    expires: float = 0.0  # control-loop time after which it is answered DeadlineExceeded
+
+
+class ReportStream:
+    """Batches an engine's reports onto its EngineReports stream; lives on a ControlSession's loop."""
+
+    def __init__(self, broker: BrokerClient, engine_id: str, loop: asyncio.AbstractEventLoop, timeout_s: float,
+                 closed: Callable[[], bool]):
+        self._broker = broker
+        self._engine_id = engine_id
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._closed = closed
+        self._queue: deque[Report] = deque()
+        self._wakeup = asyncio.Event()  # created on any thread; only used on the loop (Python >= 3.10)
+
+    def send(self, report: Report) -> None:
+        """Queues one item (any thread)."""
+        self.send_many([report])
+
+    def send_many(self, reports: list[Report]) -> None:
+        """Queues items to leave together (any thread): one wake-up of the control loop for all of them."""
+        if reports and not self._closed():
+            self._loop.call_soon_threadsafe(self._enqueue, reports)
+
+    def _enqueue(self, reports: list[Report]) -> None:
+        expires = self._loop.time() + self._timeout_s
+        for report in reports:
+            report.expires = expires
+        self._queue.extend(reports)
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """Keeps the stream open, sending what is queued and dispatching answers, until the session closes."""
+        delay = RECONNECT_BACKOFF_S[0]
+        while not self._closed():
+            call = self._broker.engine_reports(self._engine_id)
+            inflight: deque[list[Report]] = deque()
+            reader = asyncio.ensure_future(self._read(call, inflight))
+            try:
+                while not reader.done():
+                    self._expire(self._queue)
+                    if self._queue:
+                        await self._write(call, inflight)
+                        delay = RECONNECT_BACKOFF_S[0]
+                        continue
+                    oldest = inflight[0][0].expires if inflight else None
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), None if oldest is None else max(oldest - self._loop.time(), 0.0))
+                    except TimeoutError:
+                        logger.warning("kvpush: EngineReports stream: no answer within %gs; reopening", self._timeout_s)
+                        break
+                    self._wakeup.clear()
+                if reader.done():
+                    reader.result()  # the stream's error, if it failed
+                    if not self._closed():
+                        logger.warning("kvpush: EngineReports stream ended; reopening")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: open another stream
+                logger.warning("kvpush: EngineReports stream failed (%s); reopening in %.2fs", exc, delay)
+            finally:
+                reader.cancel()
+                call.cancel()
+                for batch in reversed(inflight):  # unanswered: first out on the next stream
+                    self._queue.extendleft(reversed(batch))
+            self._expire(self._queue)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+
+    async def _write(self, call, inflight: deque[list[Report]]) -> None:
+        batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH_ITEMS))]
+        request = rv_pb.EngineReportsRequest(engine_id=self._engine_id)
+        now_ns = time.time_ns()
+        for report in batch:
+            if report.prepare is not None:
+                report.prepare()
+                report.prepare = None
+            report.sent_ns = report.sent_ns or now_ns
+            getattr(request, report.kind).append(report.message)
+        inflight.append(batch)
+        await call.write(request)
+
+    async def _read(self, call, inflight: deque[list[Report]]) -> None:
+        try:
+            async for response in call:
+                if not inflight:
+                    raise errors.Internal("the broker answered a batch that was not sent", reason=errors.Reason.INTERNAL)
+                batch = inflight.popleft()
+                for kind in KINDS:
+                    items = [r for r in batch if r.kind == kind]
+                    answers = getattr(response, kind)
+                    if len(answers) != len(items):
+                        raise errors.Internal(f"the broker answered {len(answers)} {kind} of {len(items)}", reason=errors.Reason.INTERNAL)
+                    for report, answer in zip(items, answers):
+                        if answer.WhichOneof("result") == "error":
+                            _answer(report, None, status.from_item_error(answer.error))
+                        else:
+                            _answer(report, answer, None)
+        finally:
+            self._wakeup.set()
+
+    def _expire(self, queue: deque[Report]) -> None:
+        now = self._loop.time()
+        while queue and queue[0].expires <= now:
+            report = queue.popleft()
+            _answer(report, None, errors.DeadlineExceeded(f"no answer from the broker within {self._timeout_s:g}s",
+                                                          reason=errors.Reason.UNAVAILABLE))
+
+
+def _answer(report: Report, answer: Any, error: errors.KvpushError | None) -> None:
+    if report.on_answer is None:
+        if error is not None:
+            logger.warning("kvpush: %s %s/%s failed: %s", report.kind, report.message.key.transfer_id, report.message.key.attempt, error)
+        return
+    try:
+        report.on_answer(answer, error)
+    except Exception:  # a handler's bug must not end the stream for every other request
+        logger.exception("kvpush: answer handler for %s failed", report.kind)
