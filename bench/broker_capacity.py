@@ -6,13 +6,16 @@ prefill engine (one rank, no early orders, so the broker does the match)
 and a fake decode engine over real RPCs, then drives RegisterDestination +
 ReportPrefillDone pairs from this process (alternating which side arrives
 second) while a StreamWriteOrders consumer for the prefill rank measures
-the latency from sending the second call to receiving the order. Phases:
+the latency from sending the second call to receiving the order. With
+`--transport streams` the two engines send the same messages the way the
+connector does, in batches on their EngineReports streams (the connector's
+own ReportStream), instead of one unary call each. Phases:
 open-loop offered rates (default 2,000/s) and a closed loop at maximum
 throughput. Each phase also reports the CPU time the server and this load
 generator spent per rendezvous, which bounds capacity whatever else the
 machine runs. Prints a table beside the targets and one JSON line.
 
-    python bench/broker_capacity.py [--rates 1000,2000] [--duration 10] [--concurrency 64]
+    python bench/broker_capacity.py [--rates 1000,2000] [--duration 10] [--concurrency 64] [--transport unary|streams]
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ import time
 
 import grpc
 
+from kvpush.client import BrokerClient, ClientConfig
+from kvpush.connector.report_stream import Report, ReportStream
+from kvpush.errors import KvpushError
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -137,6 +143,34 @@ class ControlPlaneProcess:
                 self.process.wait(timeout=10)
 
 
+class StreamSender:
+    """One engine's messages on its EngineReports stream through the connector's ReportStream; send() awaits the item's answer."""
+
+    def __init__(self, port: int, engine_id: str, token: str):
+        self.client = BrokerClient(ClientConfig(target=f"127.0.0.1:{port}", token=token, default_timeout_s=CALL_TIMEOUT_S))
+        self.closed = False
+        self.stream = ReportStream(self.client, engine_id, asyncio.get_running_loop(), CALL_TIMEOUT_S, lambda: self.closed)
+        self.task = asyncio.create_task(self.stream.run())
+
+    async def send(self, kind: str, message) -> None:
+        answered = asyncio.get_running_loop().create_future()
+
+        def on_answer(answer, error) -> None:
+            if not answered.done():
+                answered.set_result(error)
+
+        self.stream.send(Report(kind, message, on_answer))
+        error = await answered
+        if error is not None:
+            raise error
+
+    async def close(self) -> None:
+        self.closed = True
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.client.close(0.1)
+
+
 class Bench:
     def __init__(self, channel: grpc.aio.Channel, tokens: dict[str, str], server_pid: int):
         self.server_pid = server_pid
@@ -152,6 +186,7 @@ class Bench:
         self.delivered = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.sequence = 0
+        self.senders: dict[str, StreamSender] = {}  # engine id -> its EngineReports stream, with --transport streams
 
     async def register_engines(self) -> None:
         for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
@@ -197,20 +232,35 @@ class Bench:
         prefill_done = sample.prefill_done_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S)
         return transfer_id, destination, prefill_done
 
+    async def register_destination(self, request: rv_pb.RegisterDestinationRequest) -> None:
+        if self.senders:
+            await self.senders["decode-0"].send("registrations", request)
+        else:
+            await self.broker.RegisterDestination(request, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
+
+    async def report_prefill_done(self, request: rv_pb.ReportPrefillDoneRequest) -> None:
+        if self.senders:
+            await self.senders["prefill-0"].send("prefill_done", request)
+        else:
+            await self.broker.ReportPrefillDone(request, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+
     async def rendezvous(self) -> None:
         transfer_id, destination, prefill_done = self.requests()
         decode_second = self.sequence % 2 == 0
         try:
             if decode_second:
-                await self.broker.ReportPrefillDone(prefill_done, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+                await self.report_prefill_done(prefill_done)
                 self.sent_second[transfer_id] = time.perf_counter()
-                await self.broker.RegisterDestination(destination, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
+                await self.register_destination(destination)
             else:
-                await self.broker.RegisterDestination(destination, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
+                await self.register_destination(destination)
                 self.sent_second[transfer_id] = time.perf_counter()
-                await self.broker.ReportPrefillDone(prefill_done, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+                await self.report_prefill_done(prefill_done)
         except grpc.aio.AioRpcError as exc:
             self.errors[exc.code().name] += 1
+            self.sent_second.pop(transfer_id, None)
+        except KvpushError as exc:
+            self.errors[exc.code] += 1
             self.sent_second.pop(transfer_id, None)
 
     def reset(self) -> None:
@@ -294,6 +344,8 @@ async def run(args: argparse.Namespace, port: int, tokens: dict[str, str], serve
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
         bench = Bench(channel, tokens, server_pid)
         await bench.register_engines()
+        if args.transport == "streams":
+            bench.senders = {engine_id: StreamSender(port, engine_id, tokens[engine_id]) for engine_id in ("prefill-0", "decode-0")}
         ready = asyncio.Event()
         background = [
             asyncio.create_task(bench.keep_alive("prefill-0", bench.prefill_md)),
@@ -312,10 +364,13 @@ async def run(args: argparse.Namespace, port: int, tokens: dict[str, str], serve
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            for sender in bench.senders.values():
+                await sender.close()
     return results
 
 
 def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
+    print(f"transport: {args.transport}")
     print(f"{'phase':<22}{'rendezvous/s':>14}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'server CPU us/rdv':>19}{'client CPU us/rdv':>19}")
     for r in results:
         print(
@@ -334,6 +389,7 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "benchmark": "broker_capacity",
+                "transport": args.transport,
                 "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(),
                 "core_alone": core,
@@ -357,6 +413,8 @@ def main() -> int:
     )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     parser.add_argument("--concurrency", type=int, default=64, help="callers in the maximum-throughput phase")
+    parser.add_argument("--transport", choices=("unary", "streams"), default="unary",
+                        help="one unary call per message, or the engines' EngineReports streams (as the connector sends them)")
     parser.add_argument("--keep-otel-env", action="store_true", help="pass OTEL_* variables on to the control plane")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvpush-bench-") as workdir:

@@ -10,6 +10,7 @@ ReportStream resends and times out items like a unary call's retries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 
@@ -35,64 +36,67 @@ async def engines(channel) -> tuple[FakeEngine, FakeEngine]:
     return prefill, decode
 
 
+@contextlib.asynccontextmanager
+async def plane_with_engines():
+    """A control plane with prefill-0 and decode-0 registered: (port, prefill, decode)."""
+    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), broker_config=FAST) as plane:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
+            prefill, decode = await engines(channel)
+            yield plane.port, prefill, decode
+
+
 def reports(engine: FakeEngine):
     return engine.broker.EngineReports(metadata=engine.metadata, timeout=STREAM_TIMEOUT_S)
 
 
 async def test_a_batch_is_applied_item_by_item_and_answered_in_order():
-    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), broker_config=FAST) as plane:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-            prefill, decode = await engines(channel)
-            d_stream, p_stream = reports(decode), reports(prefill)
-            batch = rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[sample.destination_request("t1"), sample.destination_request("t2")],
-                                               cancels=[rv_pb.CancelTransferRequest(key=tr_pb.TransferKey(transfer_id="t2", attempt=1))])
-            await d_stream.write(batch)
-            answer = await read(d_stream)
-            assert [a.key.transfer_id for a in answer.registrations] == ["t1", "t2"]
-            assert all(a.response.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL for a in answer.registrations)
-            assert answer.cancels[0].response.state == tr_pb.TRANSFER_STATE_CANCELLED
-            # P's prefill-done and write result on its own stream complete t1 as the unary calls would.
-            await p_stream.write(rv_pb.EngineReportsRequest(engine_id="prefill-0", prefill_done=[sample.prefill_done_request("t1")]))
-            assert (await read(p_stream)).prefill_done[0].state == tr_pb.TRANSFER_STATE_MATCHED
-            await p_stream.write(rv_pb.EngineReportsRequest(engine_id="prefill-0", write_results=[sample.write_result_request("t1")]))
-            assert (await read(p_stream)).write_results[0].state == tr_pb.TRANSFER_STATE_DONE
-            got = await decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=decode.metadata, timeout=WAIT_S)
-            assert got.transfer.state == tr_pb.TRANSFER_STATE_DONE
-            d_stream.cancel()
-            p_stream.cancel()
+    async with plane_with_engines() as (_, prefill, decode):
+        d_stream, p_stream = reports(decode), reports(prefill)
+        batch = rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[sample.destination_request("t1"), sample.destination_request("t2")],
+                                           cancels=[rv_pb.CancelTransferRequest(key=tr_pb.TransferKey(transfer_id="t2", attempt=1))])
+        await d_stream.write(batch)
+        answer = await read(d_stream)
+        assert [a.key.transfer_id for a in answer.registrations] == ["t1", "t2"]
+        assert all(a.response.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL for a in answer.registrations)
+        assert answer.cancels[0].response.state == tr_pb.TRANSFER_STATE_CANCELLED
+        # P's prefill-done and write result on its own stream complete t1 as the unary calls would.
+        await p_stream.write(rv_pb.EngineReportsRequest(engine_id="prefill-0", prefill_done=[sample.prefill_done_request("t1")]))
+        assert (await read(p_stream)).prefill_done[0].state == tr_pb.TRANSFER_STATE_MATCHED
+        await p_stream.write(rv_pb.EngineReportsRequest(engine_id="prefill-0", write_results=[sample.write_result_request("t1")]))
+        assert (await read(p_stream)).write_results[0].state == tr_pb.TRANSFER_STATE_DONE
+        got = await decode.broker.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t1"), metadata=decode.metadata, timeout=WAIT_S)
+        assert got.transfer.state == tr_pb.TRANSFER_STATE_DONE
+        d_stream.cancel()
+        p_stream.cancel()
 
 
 async def test_a_refused_item_gets_its_status_and_the_stream_goes_on():
-    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), broker_config=FAST) as plane:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-            _, decode = await engines(channel)
-            stream = reports(decode)
-            other = sample.destination_request("t1", decode_engine_id="decode-1")  # another engine's blocks
-            malformed = sample.destination_request("t2")
-            malformed.timeout.Clear()
-            await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[other, malformed, sample.destination_request("t3")]))
-            refused, invalid, accepted = (await read(stream)).registrations
-            assert (refused.error.code, refused.error.reason, refused.error.metadata["field"]) == (
-                "PERMISSION_DENIED", "ENGINE_IDENTITY_MISMATCH", "destination.engine_id")
-            assert invalid.error.code == "INVALID_ARGUMENT" and invalid.error.metadata["field"] == "timeout"
-            assert accepted.response.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
-            await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[sample.destination_request("t4")]))
-            assert (await read(stream)).registrations[0].response.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
-            stream.cancel()
+    async with plane_with_engines() as (_, _, decode):
+        stream = reports(decode)
+        other = sample.destination_request("t1", decode_engine_id="decode-1")  # another engine's blocks
+        malformed = sample.destination_request("t2")
+        malformed.timeout.Clear()
+        await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[other, malformed, sample.destination_request("t3")]))
+        refused, invalid, accepted = (await read(stream)).registrations
+        assert (refused.error.code, refused.error.reason, refused.error.metadata["field"]) == (
+            "PERMISSION_DENIED", "ENGINE_IDENTITY_MISMATCH", "destination.engine_id")
+        assert invalid.error.code == "INVALID_ARGUMENT" and invalid.error.metadata["field"] == "timeout"
+        assert accepted.response.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+        await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[sample.destination_request("t4")]))
+        assert (await read(stream)).registrations[0].response.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+        stream.cancel()
 
 
 async def test_the_stream_acts_only_for_the_callers_own_engine():
-    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), broker_config=FAST) as plane:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-            _, decode = await engines(channel)
-            stream = reports(decode)
-            await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-1"))
-            await expect_rpc_error(stream.read(), grpc.StatusCode.PERMISSION_DENIED, "ENGINE_IDENTITY_MISMATCH", "engine_id")
-            stream = reports(decode)
-            await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-0"))
-            await read(stream)
-            await stream.write(rv_pb.EngineReportsRequest(engine_id="prefill-0"))
-            await expect_rpc_error(stream.read(), grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "engine_id")
+    async with plane_with_engines() as (_, _, decode):
+        stream = reports(decode)
+        await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-1"))
+        await expect_rpc_error(stream.read(), grpc.StatusCode.PERMISSION_DENIED, "ENGINE_IDENTITY_MISMATCH", "engine_id")
+        stream = reports(decode)
+        await stream.write(rv_pb.EngineReportsRequest(engine_id="decode-0"))
+        await read(stream)
+        await stream.write(rv_pb.EngineReportsRequest(engine_id="prefill-0"))
+        await expect_rpc_error(stream.read(), grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "engine_id")
 
 
 class Answers:
@@ -118,10 +122,8 @@ def report_stream(target: str, engine_id: str, timeout_s: float = 5.0) -> tuple[
 
 
 async def test_the_connectors_report_stream_sends_batches_and_hands_each_answer_back():
-    async with running_control_plane(ServerConfig(listen="127.0.0.1:0"), broker_config=FAST) as plane:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{plane.port}") as channel:
-            await engines(channel)
-        stream, loop, broker = report_stream(f"127.0.0.1:{plane.port}", "decode-0")
+    async with plane_with_engines() as (port, _, _):
+        stream, loop, broker = report_stream(f"127.0.0.1:{port}", "decode-0")
         try:
             answers = Answers(3)
             prepared = []

@@ -60,37 +60,34 @@ def _decode_engine(device_id: int) -> reg_pb.WatchEnginesResponse:
     return reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=reg_pb.Engine(engine_id="decode-0", incarnation="d1", ranks=[rank]))
 
 
-def test_destination_descriptors_use_the_decode_ranks_device_not_ours():
-    """Defect 11: P built D's descriptors with its own device id, so P on GPU 0 and D on GPU 1 failed."""
+def producer_with_early_order(transport, d_device: int, **kwargs) -> ProducerCore:
+    """A producer core that knows decode-0 (its KV on d_device) and holds an early order for transfer t, attempt 1."""
     clock = ManualClock()
-    transport = RecordingTransport()
     empty = Plan(*(np.zeros(0, dtype=np.int64),) * 3, 0)
     core = ProducerCore(transport, LocalLayout(engine_pb2.KvLayout(total_kv_heads=1), 0, 1, device=0), "prefill-0", lambda r: None,
-                        NoSpans(), clock, plan_writes=lambda source, order, peer: [WritePlan(0, empty, 1)])
-    core.engine_event(_decode_engine(device_id=1))
+                        NoSpans(), clock, plan_writes=lambda source, order, peer: [WritePlan(0, empty, 1)], **kwargs)
+    core.engine_event(_decode_engine(device_id=d_device))
     core.stream_opened(1)
     order = tr_pb.WriteOrder(key=tr_pb.TransferKey(transfer_id="t", attempt=1), decode_tp_ranks=[0], write_budget=duration(10), write_timeout=duration(1))
     order.destination.engine_id, order.destination.incarnation, order.destination.num_tokens = "decode-0", "d1", 4
     core.stream_message(1, rv_pb.StreamWriteOrdersResponse(order=order, send_time=timestamp(clock.wall()), stream_lease=duration(3)))
+    return core
+
+
+def test_destination_descriptors_use_the_decode_ranks_device_not_ours():
+    """Defect 11: P built D's descriptors with its own device id, so P on GPU 0 and D on GPU 1 failed."""
+    transport = RecordingTransport()
+    core = producer_with_early_order(transport, d_device=1)
     core.source_ready(SourceReady("r", "t", 1, "r", "decode-0", ((0,),), 4, 10.0, "", 0, 0))
     assert transport.posts == [{"peer": "d0", "src_device": 0, "dst_device": 1}]
 
 
 def test_prefill_done_is_reported_after_the_early_orders_write_is_posted():
     """Issue 9: nothing control-plane-bound sits between the end of prefill and the WRITE post."""
-    clock = ManualClock()
     transport = RecordingTransport()
     events: list[str] = []
     transport.post_write = lambda *args: events.append("post") or PostedWrite(1, "d0", 1, 1)
-    empty = Plan(*(np.zeros(0, dtype=np.int64),) * 3, 0)
-    core = ProducerCore(transport, LocalLayout(engine_pb2.KvLayout(total_kv_heads=1), 0, 1, device=0), "prefill-0", lambda r: None,
-                        NoSpans(), clock, plan_writes=lambda source, order, peer: [WritePlan(0, empty, 1)],
-                        prefill_done=lambda ready: events.append(f"prefill-done {ready.transfer_id}"))
-    core.engine_event(_decode_engine(device_id=0))
-    core.stream_opened(1)
-    order = tr_pb.WriteOrder(key=tr_pb.TransferKey(transfer_id="t", attempt=1), decode_tp_ranks=[0], write_budget=duration(10), write_timeout=duration(1))
-    order.destination.engine_id, order.destination.incarnation, order.destination.num_tokens = "decode-0", "d1", 4
-    core.stream_message(1, rv_pb.StreamWriteOrdersResponse(order=order, send_time=timestamp(clock.wall()), stream_lease=duration(3)))
+    core = producer_with_early_order(transport, d_device=0, prefill_done=lambda ready: events.append(f"prefill-done {ready.transfer_id}"))
     core.source_ready(SourceReady("r", "t", 1, "r", "decode-0", ((0,),), 4, 10.0, "", 0, 0))
     core.source_ready(SourceReady("r2", "u", 1, "r2", "decode-0", ((1,),), 4, 10.0, "", 0, 0))  # no order yet: the broker matches it
     assert events == ["post", "prefill-done t", "prefill-done u"]
