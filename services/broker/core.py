@@ -459,6 +459,8 @@ class BrokerCore:
         if att.ended:
             self._check_fenced(att, now)
         elif outcome == a.WRITTEN:
+            if request.HasField("transfer_duration"):
+                self.metrics.write_duration.observe(request.transfer_duration.ToTimedelta().total_seconds())
             att.written += 1
             if att.plan is not None and att.written == len(att.plan.orders):
                 self._complete(att, now)

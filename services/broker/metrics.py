@@ -35,6 +35,10 @@ class BrokerMetrics:
         self.rendezvous_wait = Histogram(
             "kvpush_broker_rendezvous_wait_seconds", "Time from an attempt's first arrival to its second", buckets=_WAIT_BUCKETS, registry=r
         )
+        self.write_duration = Histogram(
+            "kvpush_broker_write_seconds", "A producer rank's WRITE, post to completion, as the rank reports it (WRITTEN results)",
+            buckets=_WAIT_BUCKETS, registry=r,
+        )
         self._failures_by_reason: dict[int, Counter] = {}
 
     def failure(self, end_reason: int) -> Counter:

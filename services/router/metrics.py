@@ -34,6 +34,15 @@ class RouterMetrics:
         self.ttft = Histogram(
             "kvpush_router_time_to_first_token_seconds", "Client request received to first streamed output sent", buckets=_TTFT_BUCKETS, registry=r
         )
+        # Per-segment histograms, always on whatever the trace sampling: the P leg and what follows it.
+        self.prefill_leg = Histogram(
+            "kvpush_router_prefill_leg_seconds", "Prefill leg sent to P's answer (successful legs)", buckets=_TTFT_BUCKETS, registry=r
+        )
+        self.after_prefill_leg = Histogram(
+            "kvpush_router_after_prefill_leg_seconds",
+            "P's answer to the first output sent (the hand-off, D's wait for its KV and its first decode step), when P answered first",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )
         in_flight = Gauge("kvpush_router_legs_in_flight", "Legs being served, by engine", ["role", "engine_id", "url"], registry=r)
         for pool in pools:
             for endpoint in pool.endpoints:

@@ -223,6 +223,7 @@ class RequestContext:
     incoming_trace: dict[str, str]  # the client's trace headers
     client: web.BaseRequest | None = None  # the client's request, to notice its disconnecting
     failure_reason: str = ""  # why the request failed (core.FAILURE_REASONS), "" if it did not
+    prefill_answered: float = 0.0  # time.monotonic() when the current attempt's prefill leg answered (0: not yet)
 
     def client_gone(self) -> bool:
         """Whether the client's connection closed (aiohttp drops the request's transport then)."""
@@ -514,6 +515,8 @@ class Router:
         """Sends the prefill leg and returns its JSON answer; raises LegFailure."""
         limit = self.config.prefill_timeout_s
         timeout = aiohttp.ClientTimeout(total=limit, sock_connect=self.config.connect_timeout_s)
+        ctx.prefill_answered = 0.0
+        sent = time.monotonic()
         self.prefill_pool.acquire(endpoint)
         error: str | None = "abandoned"
         try:
@@ -528,6 +531,8 @@ class Router:
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise _failure_from_exception(PREFILL, endpoint, exc, limit) from exc
             error = None
+            ctx.prefill_answered = time.monotonic()
+            self.metrics.prefill_leg.observe(ctx.prefill_answered - sent)
             return answer
         except LegFailure as exc:
             error = str(exc)
@@ -808,6 +813,8 @@ class Router:
         ctx.span.add_event("first_token")
         ctx.span.set_attribute("kvpush.ttft_ms", ttft_s * 1000)
         self.metrics.ttft.observe(ttft_s)
+        if ctx.prefill_answered:
+            self.metrics.after_prefill_leg.observe(time.monotonic() - ctx.prefill_answered)
 
     async def _respond(self, request: web.Request, ctx: RequestContext, opened: Opened) -> web.StreamResponse:
         """Sends the decode leg's answer to the client; nothing is retried from here on."""

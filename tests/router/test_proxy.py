@@ -175,6 +175,9 @@ async def test_prefill_refusing_connections_is_retried_on_another_prefill_engine
     assert request_span.attributes["kvpush.attempt"] == 2
     assert 'kvpush_router_retries_total 1.0' in metrics
     assert 'kvpush_router_leg_failures_total{cause="connect",leg="prefill"} 1.0' in metrics
+    # Segment histograms: the one prefill leg that answered, and what followed it (D answers 0.2 s late).
+    assert 'kvpush_router_prefill_leg_seconds_count 1.0' in metrics
+    assert 'kvpush_router_after_prefill_leg_seconds_count 1.0' in metrics
 
 
 @pytest.mark.parametrize(("behaviour", "status", "cause"), [("error:500", 502, "HTTP 500"), ("hang", 504, "no answer within 1 s")])

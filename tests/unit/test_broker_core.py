@@ -97,6 +97,18 @@ def test_prefill_first_then_registration():
     assert h.broker.metrics.registry.get_sample_value("kvpush_broker_rendezvous_total") == 1
 
 
+def test_each_written_result_feeds_the_write_histogram():
+    h = Harness()
+    h.register()
+    h.prefill_done()
+    request = sample.write_result_request("t1")
+    request.transfer_duration.FromMilliseconds(3)
+    assert h.broker.report_write_result(request, P).state == S.TRANSFER_STATE_DONE
+    registry = h.broker.metrics.registry
+    assert registry.get_sample_value("kvpush_broker_write_seconds_count") == 1
+    assert registry.get_sample_value("kvpush_broker_write_seconds_sum") == pytest.approx(0.003)
+
+
 def test_early_orders_go_out_at_registration_without_source_and_only_once():
     h = Harness(early=True)
     h.register()
