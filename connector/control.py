@@ -15,13 +15,12 @@ from typing import Any
 
 from kvpush import errors
 from kvpush.client import BrokerClient, ClientConfig, LoopThread, RegistrarClient
+from kvpush.client.backoff import Backoff
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.report_stream import ReportStream
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 
 logger = logging.getLogger(__name__)
-
-RECONNECT_BACKOFF_S = (0.05, 2.0)
 
 
 class ControlSession:
@@ -55,19 +54,18 @@ class ControlSession:
         async def attempt() -> reg_pb.RegisterEngineRankResponse:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.config.startup_timeout_s
-            delay = RECONNECT_BACKOFF_S[0]
+            backoff = Backoff()
             while True:
                 try:
                     return await self.registrar.register_engine_rank(request)
                 except (errors.Unavailable, errors.DeadlineExceeded) as exc:
-                    if loop.time() + delay > deadline:
+                    if loop.time() + backoff.delay_s > deadline:
                         raise errors.Unavailable(
                             f"kvpush: control plane {self.config.control_plane} unreachable for "
                             f"{self.config.startup_timeout_s:g}s: {exc.message}",
                             reason=errors.Reason.UNAVAILABLE,
                         ) from exc
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+                    await backoff.sleep()
 
         return self.loop.call(attempt(), timeout_s=self.config.startup_timeout_s + self.config.rpc_timeout_s)
 
@@ -82,7 +80,7 @@ class ControlSession:
         ttl_s = lease.lease_ttl.ToTimedelta().total_seconds()
 
         async def register_again() -> str:
-            delay = RECONNECT_BACKOFF_S[0]
+            backoff = Backoff()
             while True:
                 try:
                     response = await self.registrar.register_engine_rank(request)
@@ -90,19 +88,18 @@ class ControlSession:
                     return response.lease_id
                 except errors.KvpushError as exc:
                     logger.warning("kvpush: re-registration failed (%s); retrying", exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+                await backoff.sleep()
 
         async def run() -> None:
             lease_id = lease.lease_id
-            delay = RECONNECT_BACKOFF_S[0]
+            backoff = Backoff()
             while not self._closed:
                 stream = self.registrar.keep_alive()
                 unknown = False
                 try:
                     await stream.write(reg_pb.KeepAliveRequest(lease_ids=[lease_id]))
                     async for response in stream:
-                        delay = RECONNECT_BACKOFF_S[0]
+                        backoff.reset()
                         if lease_id in response.unknown_lease_ids:
                             unknown = True
                             break
@@ -117,8 +114,7 @@ class ControlSession:
                 if unknown:
                     lease_id = await register_again()
                     continue
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+                await backoff.sleep()
 
         self._tasks.append(self.loop.submit(run()))
 
@@ -140,13 +136,13 @@ class ControlSession:
         """
 
         async def run() -> None:
-            delay = RECONNECT_BACKOFF_S[0]
+            backoff = Backoff()
             while not self._closed:
                 stream = open_stream()
                 handle = on_open() if on_open is not None else on_message
                 try:
                     async for message in stream:
-                        delay = RECONNECT_BACKOFF_S[0]
+                        backoff.reset()
                         handle(message)
                     if self._closed:
                         return
@@ -154,13 +150,12 @@ class ControlSession:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    logger.warning("kvpush: %s stream failed (%s); reopening in %.2fs", name, exc, delay)
+                    logger.warning("kvpush: %s stream failed (%s); reopening in %.2fs", name, exc, backoff.delay_s)
                 finally:
                     stream.cancel()
                     if on_lost is not None:
                         on_lost()
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+                await backoff.sleep()
 
         self._tasks.append(self.loop.submit(run()))
 

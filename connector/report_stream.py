@@ -28,6 +28,7 @@ from typing import Any
 
 from kvpush import errors, status
 from kvpush.client import BrokerClient
+from kvpush.client.backoff import Backoff
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ logger = logging.getLogger(__name__)
 KINDS = ("registrations", "prefill_done", "write_results", "cancels")
 # Items per message: keeps a batch far below gRPC's 4 MiB message limit.
 MAX_BATCH_ITEMS = 256
-RECONNECT_BACKOFF_S = (0.05, 2.0)
 
 # answer: the item's RegistrationAnswer / ReportAnswer / CancelAnswer, or None with the error.
 OnAnswer = Callable[[Any, "errors.KvpushError | None"], None]
@@ -84,7 +84,7 @@ class ReportStream:
 
     async def run(self) -> None:
         """Keeps the stream open, sending what is queued and dispatching answers, until the session closes."""
-        delay = RECONNECT_BACKOFF_S[0]
+        backoff = Backoff()
         while not self._closed():
             call = self._broker.engine_reports(self._engine_id)
             inflight: deque[list[Report]] = deque()
@@ -94,7 +94,7 @@ class ReportStream:
                     self._expire(self._queue)
                     if self._queue:
                         await self._write(call, inflight)
-                        delay = RECONNECT_BACKOFF_S[0]
+                        backoff.reset()
                         continue
                     oldest = inflight[0][0].expires if inflight else None
                     try:
@@ -110,15 +110,14 @@ class ReportStream:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any failure: open another stream
-                logger.warning("kvpush: EngineReports stream failed (%s); reopening in %.2fs", exc, delay)
+                logger.warning("kvpush: EngineReports stream failed (%s); reopening in %.2fs", exc, backoff.delay_s)
             finally:
                 reader.cancel()
                 call.cancel()
                 for batch in reversed(inflight):  # unanswered: first out on the next stream
                     self._queue.extendleft(reversed(batch))
             self._expire(self._queue)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RECONNECT_BACKOFF_S[1])
+            await backoff.sleep()
 
     async def _write(self, call, inflight: deque[list[Report]]) -> None:
         batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH_ITEMS))]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from kvpush.client.backoff import Backoff
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 
@@ -59,19 +60,18 @@ class RemoteEngineDirectory:
 
     async def run(self) -> None:
         """Keeps the mirror current until cancelled, reconnecting with capped exponential backoff."""
-        backoff = 0.1
+        backoff = Backoff(0.1, self._max_backoff_s)
         while True:
             try:
                 await self._follow()
-                backoff = 0.1  # the watch ran to its renewal time or the registrar closed it
+                backoff.reset()  # the watch ran to its renewal time or the registrar closed it
             except (grpc.aio.AioRpcError, TimeoutError) as exc:
                 detail = f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else "timed out"
                 if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and self.synced.is_set():
-                    backoff = 0.1  # the watch reached its renewal deadline
+                    backoff.reset()  # the watch reached its renewal deadline
                     continue
-                logger.warning("engine watch on the registrar failed (%s); retrying in %.1fs", detail, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff_s)
+                logger.warning("engine watch on the registrar failed (%s); retrying in %.1fs", detail, backoff.delay_s)
+                await backoff.sleep()
 
     async def _follow(self) -> None:
         call = self._stub.WatchEngines(reg_pb.WatchEnginesRequest(), timeout=self._watch_renew_s, metadata=self._metadata)
