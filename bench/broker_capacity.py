@@ -39,6 +39,7 @@ import grpc
 from kvpush.client import BrokerClient, ClientConfig
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.errors import KvpushError
+from kvpush.processes import cpu_seconds
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -86,12 +87,6 @@ def core_only(count: int) -> dict:
     elapsed = time.perf_counter() - started
     assert len(orders.outbox) == count
     return {"phase": "core alone", "rendezvous_per_s": count / elapsed}
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used (Linux /proc)."""
-    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class ControlPlaneProcess:

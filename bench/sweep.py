@@ -74,14 +74,13 @@ from bench.sweep_report import report, write_json
 from bench.upstream import DECODE_ENGINE_ID as UPSTREAM_DECODE_ID
 from bench.upstream import PREFILL_ENGINE_ID as UPSTREAM_PREFILL_ID
 from bench.upstream import start_upstream_pair
-from kvpush.processes import thread_cpu_seconds
+from kvpush.processes import cpu_seconds, thread_cpu_seconds
 from kvpush.report.breakdown import breakdown, percentile
 from kvpush.telemetry import read_spans
 from tests.e2e.harness import (
     Completion,
     ServerHandle,
     completion_body,
-    cpu_seconds,
     log_tail,
     max_logprob_diff,
     parse_cpu_list,

@@ -40,12 +40,26 @@ def name_os_thread(name: str) -> None:
         pass
 
 
+def _stat_cpu_seconds(stat_path: str) -> float:
+    """User plus system CPU seconds from a /proc stat file (a process's or one thread's); 0 if it is gone."""
+    try:
+        stat = Path(stat_path).read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds a process has used (all its threads); 0 if it is gone."""
+    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+
+
 def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
     """CPU seconds per thread name over the given processes: "<process name>/<thread name>" -> user + system seconds.
 
     Threads of the same name add up; threads that already exited are not counted.
     """
-    ticks = os.sysconf("SC_CLK_TCK")
     totals: dict[str, float] = {}
     for pid in pids:
         try:
@@ -56,10 +70,8 @@ def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
         for tid in tids:
             try:
                 thread = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rfind(")") + 2 :].split()
             key = f"{process}/{thread}"
-            totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+            totals[key] = totals.get(key, 0.0) + _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
     return totals

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvpush.processes import group_members
+from kvpush.processes import cpu_seconds, group_members
 
 SERVED_MODEL_NAME = "tiny"
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -77,16 +77,6 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU seconds a process has used (all its threads); 0 if gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rfind(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_cpu_list(cpu_list: str) -> set[int]:
