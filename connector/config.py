@@ -12,6 +12,7 @@ ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # The shortest hold margin accepted: the broker's default fence margin (1 s) plus a short WRITE timeout.
 MIN_HOLD_MARGIN_S = 1.5
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode"}
+PROGRESSIVE_PUSH = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
@@ -33,6 +34,7 @@ class ConnectorConfig:
     transfer_timeout_s: float = 30.0  # (transfer_timeout_s) default deadline of a transfer
     hold_margin_s: float = 5.0  # (hold_margin_s) D keeps a request's blocks this long past its deadline when the broker never said they are safe; the broker fits its WRITE timeout for the request inside it
     early_orders: bool = True  # (early_orders) P matches registrations locally (see docs/design.md)
+    progressive_push: str = "auto"  # (progressive_push) P writes each layer's KV as soon as it is computed: "on", "off", or "auto" (on when the KV cache is in GPU memory)
     idle_wait_ms: float = 5.0  # (idle_wait_ms) how long an idle engine step sleeps waiting for transfer progress
     poll_interval_ms: float = 0.5  # (poll_interval_ms) NIXL progress interval while a transfer is expected
     idle_poll_ms: float = 250.0  # (idle_poll_ms) NIXL progress interval while nothing is expected (each wake-up takes the GIL from the forward)
@@ -96,6 +98,8 @@ class ConnectorConfig:
                 f"kvpush: kv_connector_extra_config.hold_margin_s={config.hold_margin_s:g} is too short: it must cover a WRITE's "
                 f"timeout plus the broker's fence margin (at least {MIN_HOLD_MARGIN_S:g}s; the broker refuses registrations it cannot fit)"
             )
+        if config.progressive_push not in PROGRESSIVE_PUSH:
+            raise ConfigError(f"kvpush: kv_connector_extra_config.progressive_push={config.progressive_push!r}: expected one of {list(PROGRESSIVE_PUSH)}")
         if bool(config.tls_cert) != bool(config.tls_key):
             raise ConfigError("kvpush: tls_cert and tls_key go together")
         return config

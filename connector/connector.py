@@ -103,7 +103,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         return  # KV arrives whole, before the request is scheduled
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # KV leaves whole, after the forward (wait_for_save)
+        self._worker.save_kv_layer(layer_name, self._get_connector_metadata())
 
     def wait_for_save(self) -> None:
         self._worker.wait_for_save(self._get_connector_metadata())

@@ -2,9 +2,11 @@
 """The decode worker's receive logic: count completion notifications until a request's KV is in place.
 
 Every producer rank that writes to this rank sends one notification per
-transfer attempt, naming the tokens it wrote and how many producer ranks to
-expect. When all have arrived and each named exactly the tokens the request
-registered, the request is reported received. ConsumerCore is
+WRITE, naming the tokens it wrote and how many producer ranks to expect; a
+layer-progressive transfer is several WRITEs (parts) per rank, the last of
+which names how many parts there were. When every part of every producer
+rank has arrived and each named exactly the tokens the request registered,
+the request is reported received. ConsumerCore is
 deterministic (time from its Clock, NIXL through a transport), so the
 protocol simulation drives the same code; Consumer wraps it in the worker's
 transfer thread, which polls NIXL only while a receive is pending (and
@@ -41,8 +43,12 @@ Key = tuple[str, int]
 @dataclass
 class Receive:
     expected: DestinationReady
-    producers: set[int] = field(default_factory=set)
+    parts_seen: dict[int, int] = field(default_factory=dict)  # producer rank -> parts landed
+    parts_total: dict[int, int] = field(default_factory=dict)  # producer rank -> its part count, once its last part said
     needed: int = 0  # producer ranks to hear from; 0 until the first notification says
+
+    def complete_producers(self) -> int:
+        return sum(1 for rank, total in self.parts_total.items() if self.parts_seen.get(rank, 0) >= total)
 
 
 @dataclass
@@ -52,6 +58,8 @@ class Notification:
     needed: int
     first_token: int
     num_tokens: int
+    part: int = 1
+    parts: int = 1  # 0 on every part but the last
 
 
 @dataclass
@@ -64,13 +72,14 @@ class UnclaimedNotifications:
 
 def parse_notification(message: bytes) -> Notification | None:
     """The notification's fields, or None if it is not a kvpush completion."""
+    fields = message.decode(errors="replace").split("|")
+    if fields[0] != NOTIF_PREFIX or len(fields) not in (7, 9):  # 7: a producer from before parts (one WRITE per rank)
+        return None
     try:
-        prefix, transfer_id, attempt, rank, expected, first_token, num_tokens = message.decode().split("|")
-        if prefix != NOTIF_PREFIX:
-            return None
-        return Notification((transfer_id, int(attempt)), int(rank), int(expected), int(first_token), int(num_tokens))
+        transfer_id, numbers = fields[1], [int(f) for f in fields[2:]]
     except ValueError:
         return None
+    return Notification((transfer_id, numbers[0]), *numbers[1:])
 
 
 class ConsumerCore:
@@ -165,15 +174,17 @@ class ConsumerCore:
             logger.error("kvpush consumer: %s from producer rank %d wrote tokens [%d, +%d); request %s registered [%d, +%d)",
                          note.key, note.producer, note.first_token, note.num_tokens, expected.req_id, expected.first_token, expected.num_tokens)
             return
-        receive.producers.add(note.producer)
+        receive.parts_seen[note.producer] = receive.parts_seen.get(note.producer, 0) + 1
+        if note.parts:
+            receive.parts_total[note.producer] = note.parts
         receive.needed = note.needed
 
     def _check(self, key: Key, receive: Receive) -> None:
-        if receive.needed and len(receive.producers) >= receive.needed:
+        if receive.needed and receive.complete_producers() >= receive.needed:
             del self._pending[key]
             self._by_request.pop(receive.expected.req_id, None)
             now_ns = int(self.clock.wall() * 1e9)
-            self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=len(receive.producers))
+            self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=receive.needed, parts=sum(receive.parts_seen.values()))
             self._publish(receive.expected.req_id, failed=False)
 
     def _publish(self, req_id: str, *, failed: bool) -> None:

@@ -27,15 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from kvpush.connector.handoff import SourceReady, prompt_digest
 from kvpush.connector.nixl_agent import PostedWrite
 from kvpush.connector.transfer_thread import TransferThread
-from kvpush.engine.v1 import engine_pb2
-from kvpush.layout import heads
-from kvpush.layout.geometry import dtype_bytes, planes_from_layout
-from kvpush.layout.plan import Plan, Side, build_plan
+from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan, build_write_plans, device_of, page_table_of
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -51,9 +46,15 @@ Key = tuple[str, int]
 WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
 
 
-def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int) -> bytes:
-    """The completion notification a WRITE carries (transfer ids never contain '|'): it names the tokens written."""
-    return f"{NOTIF_PREFIX}|{transfer_id}|{attempt}|{producer_rank}|{expected}|{first_token}|{num_tokens}".encode()
+def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int,
+                 part: int = 1, parts: int = 1) -> bytes:
+    """The completion notification a WRITE carries (transfer ids never contain '|'): it names the tokens written.
+
+    A layer-progressive transfer is several WRITEs (parts) from one rank;
+    each part's notification names its number, and only the last one the
+    count (0 before), so D knows when every part from this rank has landed.
+    """
+    return f"{NOTIF_PREFIX}|{transfer_id}|{attempt}|{producer_rank}|{expected}|{first_token}|{num_tokens}|{part}|{parts}".encode()
 
 
 class Transport(Protocol):
@@ -63,73 +64,12 @@ class Transport(Protocol):
     def remove_peer(self, name: str) -> None: ...
     def warm_up(self, peer: str) -> None: ...
     def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite: ...
+    def prepare_pages(self, peer: str | None, rows) -> object: ...
+    def forget_pages(self, prepared: object) -> None: ...
+    def post_pages(self, peer: str, local, local_entries, remote, remote_entries, nbytes: int, notif: bytes) -> PostedWrite: ...
     def poll(self, write: PostedWrite) -> str: ...
     def release(self, write: PostedWrite) -> None: ...
     def notifications(self) -> dict[str, list[bytes]]: ...
-
-
-@dataclass(frozen=True)
-class LocalLayout:
-    """This worker's KV cache as the plan builder needs it."""
-
-    layout: engine_pb2.KvLayout
-    tp_rank: int
-    tp_size: int
-    device: int
-
-
-def _side(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int) -> Side:
-    block_size = next(g.block_size for g in layout.groups if g.group_index == group)
-    return Side(planes_from_layout(layout, group), dtype_bytes(layout), layout.head_size, block_size, layout.first_head,
-                np.asarray(block_ids, dtype=np.int64), first_token, layout.num_local_heads)
-
-
-def device_of(layout: engine_pb2.KvLayout) -> int:
-    """The device a rank's KV cache lives on (its regions share one)."""
-    return layout.regions[0].device_id if layout.regions else 0
-
-
-@dataclass
-class PeerRank:
-    agent: str
-    layout: engine_pb2.KvLayout
-
-
-@dataclass
-class Peer:
-    incarnation: str
-    ranks: dict[int, PeerRank]
-
-
-@dataclass
-class WritePlan:
-    """One WRITE to one decode rank."""
-
-    d_rank: int
-    plan: Plan
-    expected: int
-
-
-def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb2.WriteOrder, peer: Peer) -> list[WritePlan]:
-    """Byte segments from this rank's source blocks to each of its decode ranks' destination blocks."""
-    producers = heads.even_split(local.layout.total_kv_heads, local.tp_size)
-    consumers = [heads.RankHeads(tp, r.layout.first_head, r.layout.num_local_heads) for tp, r in sorted(peer.ranks.items())]
-    routes = heads.routes(producers, consumers)
-    destination = order.destination
-    first_token = destination.first_token
-    token_range = (first_token, first_token + destination.num_tokens)
-    dst_blocks = {b.group_index: b.block_ids for b in destination.blocks}
-    plans = []
-    for d_rank in order.decode_tp_ranks:
-        mine = [r for r in routes if r.producer == local.tp_rank and r.consumer == d_rank]
-        layout = peer.ranks[d_rank].layout
-        parts = []
-        for group, src_ids in enumerate(ready.blocks):
-            src = _side(local.layout, group, src_ids, 0)
-            dst = _side(layout, group, dst_blocks[group], first_token)
-            parts += [build_plan(src, dst, token_range, (r.first_head, r.stop)) for r in mine]
-        plans.append(WritePlan(d_rank, _concat(parts), heads.expected_notifications(d_rank, routes)))
-    return plans
 
 
 @dataclass
@@ -150,6 +90,16 @@ class Order:
 
 
 @dataclass
+class Computing:
+    """Layer-progressive push: a source whose forward is running, and its layers computed and posted so far."""
+
+    ready: SourceReady
+    done: set[int] = field(default_factory=set)
+    posted: set[int] = field(default_factory=set)
+    event: object = None  # CUDA event recorded after the newest computed layer
+
+
+@dataclass
 class Job:
     key: Key
     source: Source
@@ -158,6 +108,9 @@ class Job:
     post_ns: int = 0
     abort_at: float = 0.0
     failed: str = ""
+    parts: int = 0  # WRITEs posted per decode rank (layer-progressive push posts several)
+    more_parts: bool = False  # the last part is still to come (with the source)
+    posted_layers: frozenset[int] = frozenset()
 
 
 class ProducerCore:
@@ -187,12 +140,14 @@ class ProducerCore:
         self._released_lock = threading.Lock()
         self.on_release: Callable[[], None] = lambda: None
         self._sources: dict[Key, Source] = {}
+        self._computing: dict[Key, Computing] = {}
         self._orders: dict[Key, Order] = {}
         self._jobs: dict[Key, Job] = {}
         self._closed: OrderedDict[Key, None] = OrderedDict()
         self._outcomes: OrderedDict[Key, tuple[int, int, str]] = OrderedDict()  # answered keys: (outcome, reason, message)
         self._peers: dict[str, Peer] = {}
-        self._retiring: list[str] = []  # peer agents to unload once no WRITE to them is in flight
+        self._retiring: list[PeerRank] = []  # peer ranks to unload once no WRITE to them is in flight
+        self._local_prepared = None  # this rank's page table, prepared once a peer can use it
         self._stream = 0  # current order stream generation (0: none)
         self._stream_valid_until = float("-inf")
 
@@ -202,6 +157,10 @@ class ProducerCore:
         kind = item[0]
         if kind == "source":
             self.source_ready(item[1], item[2])
+        elif kind == "computing":
+            self.computing(item[1])
+        elif kind == "layer":
+            self.layer_done(item[1], item[2], item[3])
         elif kind == "stream":
             self.stream_message(item[1], item[2])
         elif kind == "stream_opened":
@@ -230,7 +189,13 @@ class ProducerCore:
             self._release(source)  # the attempt ended, or this rank already answered for it
         else:
             self._sources[key] = source
-            self._try_start(key)
+            job = self._jobs.get(key)
+            if job is not None and job.more_parts:
+                job.source = source
+                self._post_parts(key, job, final=True)
+            else:
+                self._try_start(key)
+        self._computing.pop(key, None)
         if self._prefill_done is not None:
             # After the post: with an early order the WRITE is already on its way; the broker needs this only to match.
             self._prefill_done(ready)
@@ -265,10 +230,14 @@ class ProducerCore:
             if key not in self._jobs:  # a job in flight answers when it completes
                 outcome = self._outcomes.get(key, (REVOKED, 0, ""))
                 self._answer(key, *outcome)
+            elif self._jobs[key].more_parts:
+                self._stop_parts(self._jobs[key], "the attempt was revoked while the parts of its WRITE were being posted")
         elif kind == "closed":
             key = (message.closed.key.transfer_id, message.closed.key.attempt)
             self._orders.pop(key, None)
             self._remember(self._closed, key, None)
+            if key in self._jobs and self._jobs[key].more_parts:
+                self._stop_parts(self._jobs[key], "the attempt was closed while the parts of its WRITE were being posted")
             source = self._sources.get(key)
             if source is not None and key not in self._jobs:
                 del self._sources[key]
@@ -294,7 +263,7 @@ class ProducerCore:
             if peer is not None:
                 del self._peers[engine.engine_id]
                 for rank in peer.ranks.values():
-                    self._retire(rank.agent)
+                    self._retire(rank)
             if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED:
                 return
             peer = None
@@ -306,13 +275,28 @@ class ProducerCore:
                 continue
             name = self.transport.add_peer(registered.nixl.agent_metadata)
             self.transport.warm_up(name)
-            peer.ranks[tp] = PeerRank(name, registered.layout)
+            peer.ranks[tp] = self._prepare(PeerRank(name, registered.layout))
         for key in list(self._orders):
             self._try_start(key)
 
-    def _retire(self, agent: str) -> None:
-        """Unloads a peer agent once no WRITE to it is in flight (step() does it)."""
-        self._retiring.append(agent)
+    def _retire(self, rank: PeerRank) -> None:
+        """Unloads a peer rank's agent once no WRITE to it is in flight (step() does it)."""
+        self._retiring.append(rank)
+
+    def _prepare(self, rank: PeerRank) -> PeerRank:
+        """Prepares the peer rank's page table (and this rank's, once) when both sides have one: WRITEs then post by index."""
+        if self.local.pages is None:
+            return rank
+        rank.pages = page_table_of(rank.layout)
+        if rank.pages is None:
+            return rank
+        try:
+            if self._local_prepared is None:
+                self._local_prepared = self.transport.prepare_pages(None, self.local.pages.rows(self.local.device))
+            rank.prepared = self.transport.prepare_pages(rank.agent, rank.pages.rows(device_of(rank.layout)))
+        except Exception:  # WRITEs to this rank build descriptor lists per request instead
+            logger.exception("kvpush producer: preparing the page table of %s failed", rank.agent)
+        return rank
 
     def take_released(self) -> tuple[set[str], dict[str, tuple[int, SourceReady]]]:
         """Released sources by req_id, and of those the ones released after a WRITE (completion ns, source)."""
@@ -338,13 +322,17 @@ class ProducerCore:
                 self._release(source)
         for key, job in list(self._jobs.items()):
             states = [self.transport.poll(w) for w in job.writes]
-            if "PROC" not in states:
-                self._finish(key, job, "a NIXL WRITE completed with an error" if "ERR" in states else "")
+            if "ERR" in states:
+                self._stop_parts(job, "a NIXL WRITE completed with an error")
+            if "PROC" not in states and not job.more_parts:
+                self._finish(key, job, job.failed)
         if self._retiring:
             in_use = {w.peer for job in self._jobs.values() for w in job.writes}
-            for name in [n for n in self._retiring if n not in in_use]:
-                self.transport.remove_peer(name)
-                self._retiring.remove(name)
+            for rank in [r for r in self._retiring if r.agent not in in_use]:
+                if rank.prepared is not None:
+                    self.transport.forget_pages(rank.prepared)
+                self.transport.remove_peer(rank.agent)
+                self._retiring.remove(rank)
         if not self._jobs:
             self.transport.notifications()  # progresses connection setup with decode agents
         due = [s.hold_until for k, s in self._sources.items() if k not in self._jobs]
@@ -364,63 +352,138 @@ class ProducerCore:
         """Orders not yet posted are void once their stream is gone or quiet: the broker resends what is still wanted."""
         self._orders.clear()
 
+    def computing(self, ready: SourceReady) -> None:
+        """Layer-progressive push: this source's forward has started; its layers may be written as they are computed."""
+        key = (ready.transfer_id, ready.attempt)
+        if key not in self._closed and key not in self._outcomes and key not in self._sources:
+            self._computing[key] = Computing(ready)
+
+    def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
+        """A layer of these computing sources is in P's cache (after `event`, on GPU)."""
+        for key in keys:
+            computing = self._computing.get(key)
+            if computing is None:
+                continue
+            computing.done.add(layer)
+            computing.event = event
+            job = self._jobs.get(key)
+            if job is None:
+                self._try_start(key)
+            elif job.more_parts:
+                self._post_parts(key, job, final=False)
+
     def _try_start(self, key: Key) -> None:
         source, order = self._sources.get(key), self._orders.get(key)
-        if source is None or order is None:
+        computing = self._computing.get(key) if source is None else None
+        if order is None or (source is None and (computing is None or not self._progressive_layers(key, None))):
             return
         destination = order.order.destination
         peer = self._peers.get(destination.engine_id)
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
             return  # the registrar's view of the decode engine hasn't arrived yet
         del self._orders[key]
-        reason, mismatch = self._mismatch(source, destination)
+        ready = source.ready if source is not None else computing.ready
+        reason, mismatch = self._mismatch(ready, destination)
         if mismatch:
             # An early order bypasses the broker's token check, and only this rank holds the
             # prompt: D must not decode on KV it never got or on another prompt's KV.
             self._answer(key, REVOKED, reason, mismatch)
-            del self._sources[key]
-            self._release(source)
-            return
+            if source is not None:
+                del self._sources[key]
+                self._release(source)
+            return  # a computing source is released when it is ready: this key has its answer
         if not self._may_post(order):
             return
-        job = Job(key, source, order)
+        if source is None:
+            job = Job(key, Source(ready, self.clock.now() + ready.hold_s, self._wall_ns()), order, more_parts=True)
+        else:
+            job = Job(key, source, order)
+        self._post_parts(key, job, final=source is not None)
+
+    def _progressive_layers(self, key: Key, job: Job | None) -> frozenset[int]:
+        """Computed layers not yet posted, less the last layer: it goes with the source, in the part that ends the transfer."""
+        computing = self._computing.get(key)
+        if computing is None or not self.local.layers:
+            return frozenset()
+        posted = job.posted_layers if job is not None else frozenset()
+        return frozenset(computing.done - posted - {max(self.local.layers)})
+
+    def _post_parts(self, key: Key, job: Job, *, final: bool) -> None:
+        """Posts one part (every layer not yet posted when final, else the computed ones), fenced like any WRITE."""
+        order, ready = job.order, job.source.ready
+        if job.failed:
+            return  # stopped: nothing more is posted
+        layers = self._progressive_layers(key, job) if not final else (self.local.layers - job.posted_layers if job.parts else None)
+        if not final and not layers:
+            return
+        destination = order.order.destination
+        peer = self._peers.get(destination.engine_id)
+        if peer is None or peer.incarnation != destination.incarnation:
+            self._stop_parts(job, "the decode engine went away while the parts of its WRITE were being posted")
+            return
         t0 = self._wall_ns()
         try:
-            plans = self._plan_writes(source, order, peer)
+            if not final and self._computing[key].event is not None:
+                self._computing[key].event.synchronize()  # the layers' forward has finished
+            plans = self._plan_writes(job.source, order, peer) if layers is None else self._plan_writes(job.source, order, peer, layers=layers)
         except Exception as exc:  # a plan that cannot be built fails the attempt, loudly
             logger.exception("kvpush producer: WRITE plan for %s could not be built", key)
-            self._answer(key, FAILED, 0, f"the WRITE plan could not be built: {exc}")
+            if job.parts:
+                self._stop_parts(job, f"the WRITE plan could not be built: {exc}")
+            else:
+                self._answer(key, FAILED, 0, f"the WRITE plan could not be built: {exc}")
             return
         prep_ns = self._wall_ns()
-        ready = source.ready
-        self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(len(p.plan) for p in plans))
-        if not self._may_post(order):
-            return  # the plan build or the CUDA sync outlasted the budget or the stream
-        self._jobs[key] = job
-        job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
+        if final:
+            self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(p.descriptors for p in plans))
+        if not job.parts:
+            if not self._may_post(job.order):
+                return  # the plan build or the CUDA sync outlasted the budget or the stream
+            self._jobs[key] = job
+            job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
+        elif not self._may_post_more(order):
+            self._stop_parts(job, "the order's stream or write budget ran out while the parts of its WRITE were being posted")
+            return
+        part = job.parts + 1
         try:
             for p in plans:
-                layout = peer.ranks[p.d_rank].layout
-                notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, p.expected, destination.first_token, destination.num_tokens)
-                job.writes.append(self.transport.post_write(peer.ranks[p.d_rank].agent, p.plan.src, p.plan.dst, p.plan.lengths,
-                                                            self.local.device, device_of(layout), notif))
+                rank = peer.ranks[p.d_rank]
+                notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, p.expected, destination.first_token,
+                                     destination.num_tokens, part, part if final else 0)
+                if p.pages is not None:
+                    write = self.transport.post_pages(rank.agent, self._local_prepared, p.pages.local, rank.prepared, p.pages.remote,
+                                                      p.pages.bytes, notif)
+                else:
+                    write = self.transport.post_write(rank.agent, p.plan.src, p.plan.dst, p.plan.lengths, self.local.device,
+                                                      device_of(rank.layout), notif)
+                job.writes.append(write)
         except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
             logger.exception("kvpush producer: WRITE for %s could not be posted", key)
             job.failed = str(exc)
-        job.post_ns = self._wall_ns()
-        self.spans.emit("p.write_post", prep_ns, job.post_ns, ready, writes=len(job.writes))
-        # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
-        # under P's request; the broker's context (D's registration for an early order) is a link.
-        self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
-                        links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
-        if job.failed:
+        job.parts = part
+        job.posted_layers |= layers if layers is not None else self.local.layers
+        job.more_parts = not final and not job.failed
+        post_ns = self._wall_ns()
+        if final:
+            self.spans.emit("p.write_post", prep_ns, post_ns, ready, writes=len(job.writes), parts=part)
+        if part == 1:
+            job.post_ns = post_ns
+            # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
+            # under P's request; the broker's context (D's registration for an early order) is a link.
+            self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
+                            links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
+        if job.failed and final:
             self._finish(key, job, job.failed)
 
+    def _stop_parts(self, job: Job, why: str) -> None:
+        """No more parts for this job: it ends FAILED once the parts in flight are done (they may have landed)."""
+        job.failed = job.failed or why
+        job.more_parts = False
+
     @staticmethod
-    def _mismatch(source: Source, destination: transfer_pb2.Destination) -> tuple[int, str]:
+    def _mismatch(ready: SourceReady, destination: transfer_pb2.Destination) -> tuple[int, str]:
         """Why this source cannot fill the destination (end reason, message), or (0, "")."""
         needed = destination.first_token + destination.num_tokens
-        ready = source.ready
         if ready.num_tokens < needed:
             return transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, f"this prefill computed {ready.num_tokens} tokens; the destination needs {needed}"
         if destination.prompt_digest and ready.prompt and prompt_digest(ready.prompt, needed) != destination.prompt_digest:
@@ -439,10 +502,15 @@ class ProducerCore:
             return False
         return True
 
-    def _build_plans(self, source: Source, order: Order, peer: Peer) -> list[WritePlan]:
+    def _may_post_more(self, order: Order) -> bool:
+        """The self-fencing checks before a later part: as _may_post, but this rank has posted already, so it answers FAILED later."""
+        now = self.clock.now()
+        return order.stream == self._stream and now < self._stream_valid_until and now < order.post_by
+
+    def _build_plans(self, source: Source, order: Order, peer: Peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
         if source.ready_event is not None:
             source.ready_event.synchronize()  # the forward that wrote these blocks has finished
-        return build_write_plans(self.local, source.ready, order.order, peer)
+        return build_write_plans(self.local, source.ready, order.order, peer, layers)
 
     def _finish(self, key: Key, job: Job, failure: str) -> None:
         done_ns = self._wall_ns()
@@ -501,6 +569,14 @@ class Producer:
         """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
         self._thread.put(("source", ready, ready_event))
 
+    def computing(self, ready: SourceReady) -> None:
+        """Layer-progressive push: this source's forward starts now."""
+        self._thread.put(("computing", ready))
+
+    def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
+        """Layer-progressive push: `layer` of these sources is computed (event: recorded after it, on GPU)."""
+        self._thread.put(("layer", keys, layer, event))
+
     def open_stream(self) -> Callable[[rv_pb.StreamWriteOrdersResponse], None]:
         """A new order stream: returns the callback for its messages (messages of older streams are ignored)."""
         self._streams += 1
@@ -529,13 +605,3 @@ class Producer:
     def stop(self) -> None:
         self._thread.stop()
 
-
-def _concat(plans: list[Plan]) -> Plan:
-    if len(plans) == 1:
-        return plans[0]
-    return Plan(
-        np.concatenate([p.src for p in plans]),
-        np.concatenate([p.dst for p in plans]),
-        np.concatenate([p.lengths for p in plans]),
-        sum(p.unmerged_count for p in plans),
-    )

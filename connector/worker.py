@@ -24,9 +24,10 @@ from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
-from kvpush.connector.producer import LocalLayout, Producer, ProducerCore
+from kvpush.connector.producer import Producer, ProducerCore
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.connector.spans import Spans
+from kvpush.connector.write_plans import LocalLayout
 from kvpush.engine.v1 import engine_pb2
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -82,12 +83,18 @@ class KvpushWorker:
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self.memory_is_device = False
+        self.progressive = False  # layer-progressive push (config.progressive_push, resolved at registration)
+        self._layer_index: dict[str, int] = {}
+        self._forward_meta: KvpushMetadata | None = None  # the step whose forward is running (layer-progressive push)
+        self._computing: tuple[tuple[str, int], ...] = ()  # its completing sources' keys
 
     # ---- startup --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, ranges, device = self._describe(kv_caches)
         self.memory_is_device = layout.memory_kind == engine_pb2.MEMORY_KIND_VRAM
+        self.progressive = self.config.progressive_push == "on" or (self.config.progressive_push == "auto" and self.memory_is_device)
+        self._layer_index = {r.layer_name: r.layer_index for r in layout.regions}
         name = f"{self.config.engine_id}.{self.incarnation[:12]}.tp{self.tp_rank}.pp{self.pp_rank}"
         self.agent = KvAgent(name, list(self.config.backends), "VRAM" if self.memory_is_device else "DRAM")
         self.agent.register(ranges)
@@ -172,7 +179,27 @@ class KvpushWorker:
                 cancels.append(Report("cancels", request))
             self.reports.send_many(cancels)
 
+    def save_kv_layer(self, layer_name: str, meta: KvpushMetadata) -> None:
+        """Layer-progressive push: the layer's KV of this step's completing prefills may leave now (on the transfer thread).
+
+        The step's first layer hands the sources over: vLLM may call
+        start_load_kv only after launching the forward.
+        """
+        if self.producer is None or not self.progressive or not meta.sources:
+            return
+        if meta is not self._forward_meta:
+            self._forward_meta = meta
+            for source in meta.sources:
+                self.producer.computing(source)
+            self._computing = tuple((s.transfer_id, s.attempt) for s in meta.sources)
+        event = None
+        if self.memory_is_device:
+            event = torch.cuda.Event()
+            event.record()
+        self.producer.layer_done(self._computing, self._layer_index[layer_name], event)
+
     def wait_for_save(self, meta: KvpushMetadata) -> None:
+        self._forward_meta, self._computing = None, ()
         if self.producer is None or not meta.sources:
             return
         ready_event = None

@@ -103,7 +103,7 @@ def build_plan(src: Side, dst: Side, token_range: tuple[int, int], head_range: t
     heads = np.arange(h0, h1, dtype=np.int64)
     parts = []
     general = [(t0, t1)]
-    pages = _page_geometry(src, dst, h0, h1)
+    pages = page_geometry(src, dst, h0, h1)
     if pages is not None:
         # Blocks laid out identically on both sides move as whole pages, the
         # last, partly filled one too (as upstream vLLM moves whole blocks):
@@ -139,7 +139,7 @@ def _token_chunks(src: Side, dst: Side, runs, heads) -> list[tuple[np.ndarray, .
     return parts
 
 
-def _layer_pages(side: Side) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple] | None:
+def layer_pages(side: Side) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple] | None:
     """Per layer: where a block's page starts, its size and the block stride, when the layer's planes tile the page.
 
     A page is every (plane, head, token) of one block of one layer. Returns
@@ -169,14 +169,14 @@ def _layer_pages(side: Side) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple]
             tuple(signature))
 
 
-def _page_geometry(src: Side, dst: Side, h0: int, h1: int) -> tuple | None:
+def page_geometry(src: Side, dst: Side, h0: int, h1: int) -> tuple | None:
     """Page geometry of both sides, if whole-page copies are exact for this route."""
     if src.block_size != dst.block_size or not (src.num_local_heads and dst.num_local_heads):
         return None
     for side in (src, dst):
         if (h0, h1) != (side.first_local_head, side.first_local_head + side.num_local_heads):
             return None
-    src_pages, dst_pages = _layer_pages(src), _layer_pages(dst)
+    src_pages, dst_pages = layer_pages(src), layer_pages(dst)
     if src_pages is None or dst_pages is None or src_pages[3] != dst_pages[3]:
         return None
     return src_pages, dst_pages

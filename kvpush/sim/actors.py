@@ -10,13 +10,15 @@ time, blocks are allocated and freed) and the router's retry policy.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from kvpush.connector.consumer import ConsumerCore
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.params import TransferParams
-from kvpush.connector.producer import LocalLayout, ProducerCore, WritePlan
+from kvpush.connector.producer import ProducerCore
+from kvpush.connector.write_plans import LocalLayout, WritePlan
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import KvpushError, Unavailable
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -35,6 +37,8 @@ from kvpush.sim.world import Faults, Network, Process, Stream, World
 
 P_ENGINE, D_ENGINE = "prefill-0", "decode-0"
 BLOCK_SIZE = 16
+# Layers of the simulated model: a layer-progressive prefill engine posts them in parts.
+LAYERS = frozenset(range(3))
 
 
 def prompt_of(prompt_id: int, num_tokens: int) -> bytes:
@@ -306,7 +310,8 @@ class PrefillRank:
         sim = engine.sim
         self.transport = ProducerTransport(engine.proc, sim.fabric, f"{P_ENGINE}.{engine.incarnation}.tp{tp_rank}",
                                            sim.timing.write_time, sim.faults.stuck_writes, sim.violations)
-        layout = LocalLayout(engine_pb2.KvLayout(total_kv_heads=2), tp_rank, engine.tp_size, 0)
+        kv_layout = engine_pb2.KvLayout(total_kv_heads=2, regions=[engine_pb2.KvRegion(layer_index=layer) for layer in sorted(LAYERS)])
+        layout = LocalLayout(kv_layout, tp_rank, engine.tp_size, 0)
         self.core = ProducerCore(self.transport, layout, P_ENGINE, self._report, NoSpans(), engine.proc, plan_writes=self._plan)
         self._stream = 0
         self._next_step = float("inf")
@@ -329,12 +334,13 @@ class PrefillRank:
     def _lost(self) -> None:
         self.handle(("stream_lost", self._stream))
 
-    def _plan(self, source, order, peer) -> list[WritePlan]:
+    def _plan(self, source, order, peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
         dest = order.order.destination
         blocks = tuple(dest.blocks[0].block_ids)
-        # The bytes a WRITE moves are what the source holds of the destination's range.
-        # and which prompt's KV they are.
-        tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token), prompt_id_of(source.ready.prompt))
+        # The bytes a WRITE moves are what the source holds of the destination's range,
+        # which prompt's KV they are, and of which layers.
+        tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token), prompt_id_of(source.ready.prompt),
+                  LAYERS if layers is None else layers)
         return [WritePlan(d_rank, SimPlan(blocks, tokens), len(self.engine.ranks)) for d_rank in order.order.decode_tp_ranks]
 
     def _report(self, request) -> None:
@@ -374,6 +380,7 @@ class PrefillRequest:
     router_leg: object
     done: bool = False
     aborted: bool = False
+    computing: bool = False  # its last forward runs: the source is handed over at its end, aborted or not
     held_by: set[int] = field(default_factory=set)  # ranks still holding the source
 
 
@@ -385,6 +392,7 @@ class PrefillEngine:
         self.rpc = Rpc(sim, self.proc, P_ENGINE)
         self.incarnation_seq = 0
         self.requests: dict[str, PrefillRequest] = {}
+        self.progressive = sim.variants.random() < 0.5  # layer-progressive push
         self.start()
 
     def start(self) -> None:
@@ -398,7 +406,12 @@ class PrefillEngine:
         request = PrefillRequest(req_id, key, num_tokens, prompt_id, D_ENGINE, timeout_s, router_leg)
         self.requests[req_id] = request
         rng = self.sim.world.rng
-        self.proc.later(rng.uniform(*self.sim.timing.prefill_time), self._prefill_done, request)
+        prefill_s = rng.uniform(*self.sim.timing.prefill_time)
+        if self.progressive:  # earlier chunks have no KV to push: the last forward starts somewhere in the prefill
+            forward_s = prefill_s * self.sim.variants.uniform(0.1, 0.7)
+            self.proc.later(prefill_s - forward_s, self._forward_starts, request, forward_s)
+        else:
+            self.proc.later(prefill_s, self._prefill_done, request)
 
     def abort(self, req_id: str) -> None:
         request = self.requests.get(req_id)
@@ -406,18 +419,42 @@ class PrefillEngine:
             request.aborted = True
             cancel = rv_pb.CancelTransferRequest(key=tr_pb.TransferKey(transfer_id=request.key[0], attempt=request.key[1]), detail="prefill aborted")
             self.rpc.call("CancelTransfer", cancel)
-            del self.requests[req_id]
+            if not request.computing:
+                del self.requests[req_id]
 
-    def _prefill_done(self, request: PrefillRequest) -> None:
+    def _source(self, request: PrefillRequest) -> SourceReady:
+        blocks = tuple(range(-(-request.num_tokens // BLOCK_SIZE)))
+        return SourceReady(request.req_id, request.key[0], request.key[1], request.req_id, request.decode_engine, (blocks,),
+                           request.num_tokens, request.timeout_s, "", 0, 0, prompt_of(request.prompt_id, request.num_tokens))
+
+    def _forward_starts(self, request: PrefillRequest, forward_s: float) -> None:
+        """The last forward: each layer's KV is handed to the ranks as it is computed, the last with the source."""
         if request.aborted or self.requests.get(request.req_id) is not request:
             return
+        request.computing = True
+        ready = self._source(request)
+        for rank in self.ranks:
+            rank.handle(("computing", ready))
+        layers = sorted(LAYERS)
+        for i, layer in enumerate(layers[:-1]):
+            self.proc.later(forward_s * (i + 1) / len(layers), self._layer_done, request, layer)
+        self.proc.later(forward_s, self._prefill_done, request)
+
+    def _layer_done(self, request: PrefillRequest, layer: int) -> None:
+        if self.requests.get(request.req_id) is request:
+            for rank in self.ranks:
+                rank.handle(("layer", (request.key,), layer, None))
+
+    def _prefill_done(self, request: PrefillRequest) -> None:
+        if (request.aborted and not request.computing) or self.requests.get(request.req_id) is not request:
+            return
         request.done = True
-        blocks = tuple(range(-(-request.num_tokens // BLOCK_SIZE)))
-        ready = SourceReady(request.req_id, request.key[0], request.key[1], request.req_id, request.decode_engine, (blocks,),
-                            request.num_tokens, request.timeout_s, "", 0, 0, prompt_of(request.prompt_id, request.num_tokens))
+        ready = self._source(request)
         request.held_by = set(range(self.tp_size))
         for rank in self.ranks:
             rank.handle(("source", ready, None))
+        if request.aborted:
+            return  # its blocks were handed over with the forward: released by the ranks; the router has its answer
         report = sample.prefill_done_request(request.key[0], request.key[1], incarnation=self.incarnation, num_tokens=request.num_tokens,
                                              block_size=BLOCK_SIZE, timeout_s=request.timeout_s, decode_engine_id=request.decode_engine,
                                              client_request_id=request.req_id)
@@ -445,6 +482,7 @@ class PrefillEngine:
         for rank in self.ranks:
             core = rank.core
             out += [f"source {k}" for k in core._sources] + [f"order {k}" for k in core._orders] + [f"job {k}" for k in core._jobs]
+            out += [f"computing {k}" for k in core._computing]
         return out
 
 
@@ -570,7 +608,7 @@ class DecodeEngine:
         request = self.requests.get(req_id)
         if wait is None or request is None:
             return
-        needed = (request.first_token, request.num_tokens, request.prompt_id)
+        needed = (request.first_token, request.num_tokens, request.prompt_id, LAYERS)
         landed = self.memory.landed.get(req_id, {})
         producers = len(self.sim.prefill.ranks) if self.sim.prefill.ranks else 1
         if len(landed) < producers or any(tokens != needed for tokens in landed.values()):
@@ -720,6 +758,9 @@ class Simulation:
 
     def __init__(self, seed: int, timing: Timing | None = None):
         self.world = World(seed)
+        # Choices of how the engines work (not faults) draw from their own generator, so
+        # adding one leaves every schedule recorded before it (tests/sim/defects.py) as it was.
+        self.variants = random.Random(f"kvpush-sim-variants-{seed}")
         self.timing = timing or Timing()
         self.faults = Faults.draw(self.world.rng, self.timing.broker.max_clock_skew_s)
         self.violations = Violations(clock=self.world)

@@ -31,7 +31,8 @@ class DecodeMemory:
     num_blocks: int
     violations: Violations
     owners: dict[int, BlockOwner] = field(default_factory=dict)
-    landed: dict[str, dict[int, tuple[int, int, int]]] = field(default_factory=dict)  # req_id -> producer rank -> (first_token, num_tokens, prompt id)
+    # req_id -> producer rank -> (first_token, num_tokens, prompt id, layers): what its WRITEs (all parts) landed
+    landed: dict[str, dict[int, tuple[int, int, int, frozenset[int]]]] = field(default_factory=dict)
     alive: bool = True
 
     def allocate(self, req_id: str, key: tuple[str, int], count: int) -> list[int] | None:
@@ -59,7 +60,11 @@ class DecodeMemory:
             held = sorted({(o.req_id, o.key) for b in blocks if (o := self.owners.get(b)) is not None})
             self.violations.add("write-after-free", f"{what} for {key} landed on {self.engine} blocks {list(blocks)} now held by {held or 'nobody'}")
             return None
-        self.landed[owner.req_id][producer] = tokens
+        landed = self.landed[owner.req_id]
+        held = landed.get(producer)
+        if held is not None and held[:3] == tokens[:3]:  # another part of the same transfer: its layers add up
+            tokens = (*tokens[:3], held[3] | tokens[3])
+        landed[producer] = tokens
         return owner.req_id
 
 
@@ -118,7 +123,7 @@ class ProducerTransport:
         self.peers: set[str] = set()
         self.in_flight: dict[int, SimWrite] = {}
         self._next = 0
-        self.posted_keys: set[tuple[tuple[str, int], str]] = set()
+        self.posted_keys: set[tuple[tuple[str, int], str, int]] = set()  # (key, decode agent, part)
 
     def add_peer(self, metadata: bytes) -> str:
         name = metadata.decode()
@@ -136,10 +141,10 @@ class ProducerTransport:
     def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite:
         parts = notif.decode().split("|")
         key = (parts[1], int(parts[2]))
-        producer = int(parts[3])
-        if (key, peer) in self.posted_keys:
-            self.violations.add("double-write", f"{self.name} posted a second WRITE for {key} to {peer}")
-        self.posted_keys.add((key, peer))
+        producer, part = int(parts[3]), int(parts[7])
+        if (key, peer, part) in self.posted_keys:
+            self.violations.add("double-write", f"{self.name} posted a second WRITE for {key} part {part} to {peer}")
+        self.posted_keys.add((key, peer, part))
         write = SimWrite(key, peer, tuple(dst), producer, tuple(lengths), notif, self.name)
         world = self.process.world
         self._next += 1

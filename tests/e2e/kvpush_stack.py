@@ -154,6 +154,20 @@ def dispatch(prefill_url: str, prefill_id: str, decode_url: str, decode_id: str,
     return Dispatch(transfer_id, results[0], results[1], time.monotonic() - t0)
 
 
+def cancel_transfer(control_plane: ControlPlaneHandle, transfer_id: str, attempt: int = 1):
+    """Cancels a transfer attempt as the router does when its client goes away."""
+    from kvpush.client import BrokerClient, ClientConfig
+    from kvpush.rendezvous.v1 import rendezvous_service_pb2 as pb
+
+    async def cancel():
+        async with BrokerClient(ClientConfig(target=control_plane.address, token=control_plane.token)) as broker:
+            request = pb.CancelTransferRequest(detail="the client went away")
+            request.key.transfer_id, request.key.attempt = transfer_id, attempt
+            return await broker.cancel_transfer(request)
+
+    return asyncio.run(cancel())
+
+
 def get_transfer(control_plane: ControlPlaneHandle, transfer_id: str, attempt: int = 0):
     """The broker's record of a transfer (the latest attempt by default)."""
     from kvpush.client import BrokerClient, ClientConfig

@@ -67,10 +67,23 @@ def _early_order_skips_token_check():
     """3. An early order was written with the producer's own (fewer) tokens, and the decode side counted it complete."""
 
     def count(self, receive: Receive, note) -> None:
-        receive.producers.add(note.producer)
+        receive.parts_seen[note.producer] = receive.parts_seen.get(note.producer, 0) + 1
+        if note.parts:
+            receive.parts_total[note.producer] = note.parts
         receive.needed = note.needed
 
     return patched((ProducerCore, "_mismatch", staticmethod(lambda source, destination: (0, ""))), (ConsumerCore, "_count", count))
+
+
+def _first_part_counts_as_all():
+    """8. The decode side counted a producer rank complete at its first part of a layer-progressive WRITE."""
+    original = ConsumerCore._count
+
+    def count(self, receive: Receive, note) -> None:
+        original(self, receive, note)
+        receive.parts_total[note.producer] = 1
+
+    return patched((ConsumerCore, "_count", count))
 
 
 def _budget_from_receipt():
@@ -101,7 +114,7 @@ def _no_write_timeout():
 
 def _peer_unloaded_in_flight():
     """5b. A decode engine's NIXL agent was unloaded while WRITEs to it were in flight."""
-    return patched((ProducerCore, "_retire", lambda self, agent: self.transport.remove_peer(agent)))
+    return patched((ProducerCore, "_retire", lambda self, rank: self.transport.remove_peer(rank.agent)))
 
 
 def _decode_key_collision():

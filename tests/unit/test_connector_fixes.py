@@ -10,7 +10,8 @@ import numpy as np
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import PostedWrite
-from kvpush.connector.producer import LocalLayout, Producer, ProducerCore, WritePlan
+from kvpush.connector.producer import Producer, ProducerCore
+from kvpush.connector.write_plans import LocalLayout, WritePlan
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout.plan import Plan
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb

@@ -24,8 +24,9 @@ from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S, Consumer, Consum
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.nixl_agent import HELLO, KvAgent, PostedWrite
-from kvpush.connector.producer import LocalLayout, Producer, ProducerCore, build_write_plans, notification
+from kvpush.connector.producer import Producer, ProducerCore, notification
 from kvpush.connector.spans import Spans
+from kvpush.connector.write_plans import LocalLayout, build_write_plans
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout.geometry import planes_from_layout
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
@@ -106,11 +107,12 @@ def cells(layout, blocks, block_size, first_token, tokens):
 class Pair:
     """A producer core and a consumer core on one ManualClock, each with its own real NIXL agent."""
 
-    def __init__(self, stalled: bool = False, clock=None, plan_time_s: float = 0.0):
+    def __init__(self, stalled: bool = False, clock=None, plan_time_s: float = 0.0, p_block: int = P_BLOCK, d_block: int = D_BLOCK):
         self.clock = clock or ManualClock()
-        self.p_layers, self.d_layers = kv_tensors(P_BLOCK, True), kv_tensors(D_BLOCK, False)
-        self.p_layout, p_ranges, _ = layout_of(self.p_layers, P_BLOCK)
-        self.d_layout, d_ranges, _ = layout_of(self.d_layers, D_BLOCK)
+        self.p_block, self.d_block = p_block, d_block
+        self.p_layers, self.d_layers = kv_tensors(p_block, True), kv_tensors(d_block, False)
+        self.p_layout, p_ranges, _ = layout_of(self.p_layers, p_block)
+        self.d_layout, d_ranges, _ = layout_of(self.d_layers, d_block)
         agent_type = StalledWriteAgent if stalled else KvAgent
         self.p_agent, self.d_agent = agent_type("test-p", ["UCX"], "DRAM"), KvAgent("test-d", ["UCX"], "DRAM")
         self.p_agent.register(p_ranges)
@@ -118,11 +120,11 @@ class Pair:
         self.reports: list[rv_pb.ReportWriteResultRequest] = []
         local = LocalLayout(self.p_layout, 0, 1, 0)
 
-        def plan_writes(source, order, peer):
+        def plan_writes(source, order, peer, layers=None):
             """The real plan build, taking plan_time_s of (manual) time, as a CUDA sync or a large plan may."""
             if plan_time_s:
                 self.clock.advance(plan_time_s)
-            return build_write_plans(local, source.ready, order.order, peer)
+            return build_write_plans(local, source.ready, order.order, peer, layers)
 
         self.producer = ProducerCore(self.p_agent, local, "prefill-t", self.reports.append, Spans("prefill-t", "prefill"), self.clock, plan_writes=plan_writes)
         self.consumer = ConsumerCore(self.d_agent, Spans("decode-t", "decode"), self.clock)
@@ -160,9 +162,15 @@ class Pair:
         self.producer.stream_message(stream, self.message(kind, transfer_id, **kwargs))
 
     def source(self, transfer_id: str = "t1", req_id: str = "p-req", blocks=(7, 2, 9, 4), num_tokens: int = 110, hold_s: float = 30.0,
-               prompt: Sequence[int] | None = None) -> None:
+               prompt: Sequence[int] | None = None, *, computing: bool = False) -> SourceReady:
+        """The source is ready (the forward ended); computing: its forward only starts (layer-progressive push)."""
         packed = packed_prompt(prompt) if prompt is not None else b""
-        self.producer.source_ready(SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0, packed))
+        ready = SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0, packed)
+        if computing:
+            self.producer.computing(ready)
+        else:
+            self.producer.source_ready(ready)
+        return ready
 
     def expect(self, transfer_id: str = "t1", req_id: str = "d-req", first_token: int = 0, num_tokens: int = 110) -> None:
         self.consumer.expect(DestinationReady(req_id, transfer_id, 1, first_token, num_tokens, 0, ""))
@@ -213,8 +221,8 @@ class Pair:
 
     def check_bytes(self, p_blocks, d_blocks, first_token: int, num_tokens: int) -> None:
         tokens = range(first_token, first_token + num_tokens)
-        sent = cells(self.p_layout, list(p_blocks), P_BLOCK, 0, tokens)
-        np.testing.assert_array_equal(cells(self.d_layout, list(d_blocks), D_BLOCK, first_token, tokens), sent)
+        sent = cells(self.p_layout, list(p_blocks), self.p_block, 0, tokens)
+        np.testing.assert_array_equal(cells(self.d_layout, list(d_blocks), self.d_block, first_token, tokens), sent)
         assert np.any(sent != 0)
 
 
@@ -562,6 +570,117 @@ def test_an_idle_removed_engines_agent_is_unloaded_at_the_next_step(stalled: Pai
     assert not stalled.producer.busy and stalled.reports == []
 
 
+# ----- layer-progressive push -----
+
+
+@pytest.mark.parametrize("block_sizes", [(P_BLOCK, D_BLOCK), (P_BLOCK, P_BLOCK)], ids=["segments", "prepared-pages"])
+def test_layers_leave_as_they_are_computed_and_the_request_is_received_only_after_the_last_part(block_sizes):
+    pair = Pair(p_block=block_sizes[0], d_block=block_sizes[1]).start()
+    try:
+        blocks = (5, 1) if block_sizes[1] == D_BLOCK else (5, 1, 8, 3)
+        pair.expect("t1", num_tokens=110)
+        pair.send("order", "t1", blocks=blocks, num_tokens=110)  # early: D registered while P computes
+        pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110, computing=True)
+        pair.producer.layer_done((("t1", 1),), 0)
+        assert pair.producer.busy  # layer 0 is on its way; the last layer waits for the source
+        pair.settle()
+        assert pair.received() == (set(), set())  # a part landed, but its notification names no count
+        layer0 = [cells(pair.d_layout, list(blocks), pair.d_block, 0, range(110))]
+        assert np.any(layer0[0] != 0) and not pair.reports
+        pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110)
+        assert pair.pump(pair.results) == ({"d-req"}, set())
+        pair.settle()
+        [report] = pair.reports
+        assert (report.outcome, report.reason) == (WRITTEN, 0)
+        assert report.bytes_written >= 110 * TOKEN_BYTES  # whole pages when prepared, exact rows otherwise
+        pair.check_bytes((7, 2, 9, 4), blocks, 0, 110)
+        assert pair.released() == {"p-req"} and not pair.producer.busy
+    finally:
+        pair.close()
+
+
+def test_prepared_pages_are_used_when_both_sides_lay_blocks_out_alike():
+    pair = Pair(p_block=P_BLOCK, d_block=P_BLOCK).start()
+    try:
+        peer = pair.producer._peers["decode-t"]
+        assert peer.ranks[0].prepared is not None
+        order = order_body("t1", blocks=(5, 1, 8, 3), num_tokens=110)
+        ready = SourceReady("r", "t1", 1, "r", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0)
+        [plan] = build_write_plans(pair.producer.local, ready, order, peer)
+        assert plan.plan is None and len(plan.pages) == LAYERS * 4  # a page per (layer, block): NIXL merges neighbours
+        [layer1] = build_write_plans(pair.producer.local, ready, order, peer, frozenset({1}))
+        assert len(layer1.pages) == 4
+    finally:
+        pair.close()
+    mixed = Pair().start()  # P and D blocks of different sizes: byte segments, built per request
+    try:
+        [plan] = build_write_plans(mixed.producer.local, ready, order_body("t1", blocks=(5, 1)), mixed.producer._peers["decode-t"])
+        assert plan.pages is None and len(plan.plan) > 0
+    finally:
+        mixed.close()
+
+
+def test_a_revocation_between_parts_stops_the_parts_and_is_answered_failed(pair: Pair):
+    pair.expect("t1")
+    pair.send("order", "t1")
+    pair.source("t1", computing=True)
+    pair.producer.layer_done((("t1", 1),), 0)
+    pair.send("revocation", "t1")  # a part is posted: REVOKED would be a lie
+    pair.source("t1")  # the forward ends: no last part
+    pair.pump(lambda: pair.reports)
+    assert pair.answers() == [("t1", FAILED, 0)]
+    assert pair.released() == {"p-req"}
+    pair.settle()
+    assert pair.received() == (set(), set())  # never complete: D's deadline fails it, after the broker's word
+    pair.send("revocation", "t1")
+    assert pair.answers() == [("t1", FAILED, 0)]
+
+
+def test_a_lost_stream_between_parts_posts_nothing_more(pair: Pair):
+    pair.expect("t1")
+    pair.send("order", "t1")
+    pair.source("t1", computing=True)
+    pair.producer.layer_done((("t1", 1),), 0)
+    pair.producer.stream_lost(STREAM)
+    pair.source("t1")
+    pair.pump(lambda: pair.reports)
+    assert [(r.outcome, "stream" in r.error_message) for r in pair.reports] == [(FAILED, True)]
+    assert pair.released() == {"p-req"}
+
+
+def test_a_computing_source_for_another_prompt_refuses_the_order_before_any_part(pair: Pair):
+    pair.send("order", "t1", prompt=[1, 2, 3] * 40)
+    pair.source("t1", prompt=[9, 2, 3] * 40, computing=True)
+    pair.producer.layer_done((("t1", 1),), 0)
+    assert pair.answers() == [("t1", REVOKED, transfer_pb2.END_REASON_PROMPT_MISMATCH)]
+    assert not pair.producer.busy
+    pair.source("t1", prompt=[9, 2, 3] * 40)
+    assert pair.released() == {"p-req"}
+    pair.settle()
+    assert pair.d_block_is_zero(5) and pair.d_block_is_zero(1)
+
+
+def test_an_order_after_the_source_is_one_write_as_without_progression(pair: Pair):
+    pair.expect("t1")
+    pair.source("t1", computing=True)
+    pair.producer.layer_done((("t1", 1),), 0)  # no order yet: nothing to post
+    assert not pair.producer.busy
+    pair.source("t1")
+    pair.send("order", "t1")
+    assert pair.pump(pair.results) == ({"d-req"}, set())
+    pair.check_bytes((7, 2, 9, 4), (5, 1), 0, 110)
+
+
+def test_the_consumer_counts_every_part_whatever_order_their_notifications_come_in(pair: Pair):
+    pair.expect("t1", num_tokens=110)
+    last = notification("t1", 1, 0, 1, 0, 110, 3, 3)
+    pair.consumer._on_notification("p", last)  # the last part's notification overtakes the others
+    pair.consumer._on_notification("p", notification("t1", 1, 0, 1, 0, 110, 1, 0))
+    assert pair.received() == (set(), set())
+    pair.consumer._on_notification("p", notification("t1", 1, 0, 1, 0, 110, 2, 0))
+    assert pair.received() == ({"d-req"}, set())
+
+
 # ----- the consumer -----
 
 
@@ -621,8 +740,12 @@ def test_fail_after_success_is_a_no_op(pair: Pair):
 
 def test_notification_format_round_trips():
     message = notification("xfer-1", 3, 1, 2, 64, 86)
-    assert message == b"kvpush1|xfer-1|3|1|2|64|86"
-    assert parse_notification(message) == Notification(("xfer-1", 3), 1, 2, 64, 86)
+    assert message == b"kvpush1|xfer-1|3|1|2|64|86|1|1"
+    assert parse_notification(message) == Notification(("xfer-1", 3), 1, 2, 64, 86, 1, 1)
+    # A part of a layer-progressive transfer: not the last (0), and the last, which names the count.
+    assert parse_notification(notification("xfer-1", 3, 1, 2, 64, 86, 2, 0)) == Notification(("xfer-1", 3), 1, 2, 64, 86, 2, 0)
+    assert parse_notification(notification("xfer-1", 3, 1, 2, 64, 86, 3, 3)).parts == 3
+    assert parse_notification(b"kvpush1|xfer-1|3|1|2|64|86") == Notification(("xfer-1", 3), 1, 2, 64, 86, 1, 1)  # before parts
     assert parse_notification(b"garbage") is None
     assert parse_notification(b"other|a|1|2|3|0|1") is None  # another prefix
     assert parse_notification(b"kvpush1|a|1|2|3") is None  # the old five-field format

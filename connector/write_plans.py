@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What one prefill rank writes to each decode rank for one order: page entries or byte segments.
+
+When both sides lay out a block of a layer identically (the usual case:
+same block size and TP split), a WRITE is a list of page entries into
+descriptor lists NIXL prepared once per peer rank (kvpush.layout.pages).
+Otherwise it is a byte-segment plan built for the request
+(kvpush.layout.plan), merged where contiguous. Either can be restricted to
+some layers, for layer-progressive push.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from kvpush.connector.handoff import SourceReady
+from kvpush.engine.v1 import engine_pb2
+from kvpush.layout import heads
+from kvpush.layout.geometry import dtype_bytes, planes_from_layout
+from kvpush.layout.pages import PageTable, PageWrite, page_table, page_write, pages_match
+from kvpush.layout.plan import Plan, Side, build_plan
+from kvpush.rendezvous.v1 import transfer_pb2
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """This worker's KV cache as the plan builder needs it."""
+
+    layout: engine_pb2.KvLayout
+    tp_rank: int
+    tp_size: int
+    device: int
+
+    @cached_property
+    def pages(self) -> PageTable | None:
+        return page_table_of(self.layout)
+
+    @cached_property
+    def layers(self) -> frozenset[int]:
+        return frozenset(r.layer_index for r in self.layout.regions)
+
+
+def side_of(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int, layers: frozenset[int] | None = None) -> Side:
+    """One side of a transfer in one KV cache group, of the given layers only if named."""
+    block_size = next(g.block_size for g in layout.groups if g.group_index == group)
+    planes = [p for p in planes_from_layout(layout, group) if layers is None or p.layer_index in layers]
+    return Side(planes, dtype_bytes(layout), layout.head_size, block_size, layout.first_head,
+                np.asarray(block_ids, dtype=np.int64), first_token, layout.num_local_heads)
+
+
+def page_table_of(layout: engine_pb2.KvLayout) -> PageTable | None:
+    """A rank's page table, for a KV cache of one group whose planes tile whole pages."""
+    if len(layout.groups) != 1 or not layout.regions:
+        return None
+    group = layout.groups[0]
+    return page_table(side_of(layout, group.group_index, [], 0), group.num_blocks)
+
+
+def device_of(layout: engine_pb2.KvLayout) -> int:
+    """The device a rank's KV cache lives on (its regions share one)."""
+    return layout.regions[0].device_id if layout.regions else 0
+
+
+@dataclass
+class PeerRank:
+    agent: str
+    layout: engine_pb2.KvLayout
+    pages: PageTable | None = None
+    prepared: object = None  # its page table's descriptor list, prepared on this rank's agent
+    page_routes: dict[tuple[int, int], bool] = field(default_factory=dict)  # head range -> whether pages carry it (decided once)
+
+
+@dataclass
+class Peer:
+    incarnation: str
+    ranks: dict[int, PeerRank]
+
+
+@dataclass
+class WritePlan:
+    """One WRITE to one decode rank: page entries, or byte segments when pages cannot express it."""
+
+    d_rank: int
+    plan: Plan | None
+    expected: int
+    pages: PageWrite | None = None
+
+    @property
+    def descriptors(self) -> int:
+        return len(self.pages) if self.pages is not None else len(self.plan)
+
+
+def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb2.WriteOrder, peer: Peer,
+                      layers: frozenset[int] | None = None) -> list[WritePlan]:
+    """What this rank writes to each of its decode ranks (of the given layers only, if named)."""
+    producers = heads.even_split(local.layout.total_kv_heads, local.tp_size)
+    consumers = [heads.RankHeads(tp, r.layout.first_head, r.layout.num_local_heads) for tp, r in sorted(peer.ranks.items())]
+    routes = heads.routes(producers, consumers)
+    destination = order.destination
+    first_token = destination.first_token
+    token_range = (first_token, first_token + destination.num_tokens)
+    dst_blocks = {b.group_index: b.block_ids for b in destination.blocks}
+    plans = []
+    for d_rank in order.decode_tp_ranks:
+        mine = [r for r in routes if r.producer == local.tp_rank and r.consumer == d_rank]
+        rank = peer.ranks[d_rank]
+        expected = heads.expected_notifications(d_rank, routes)
+        if local.pages is not None and rank.prepared is not None and len(mine) == 1:
+            group = local.layout.groups[0].group_index
+            src = side_of(local.layout, group, ready.blocks[0], 0)
+            dst = side_of(rank.layout, group, dst_blocks[group], first_token)
+            route = (mine[0].first_head, mine[0].stop)
+            if route not in rank.page_routes:
+                rank.page_routes[route] = pages_match(src, dst, local.pages, rank.pages, route)
+            pages = page_write(src, dst, local.pages, rank.pages, token_range, layers) if rank.page_routes[route] else None
+            if pages is not None:
+                plans.append(WritePlan(d_rank, None, expected, pages))
+                continue
+        parts = []
+        for group, src_ids in enumerate(ready.blocks):
+            src = side_of(local.layout, group, src_ids, 0, layers)
+            dst = side_of(rank.layout, group, dst_blocks[group], first_token, layers)
+            parts += [build_plan(src, dst, token_range, (r.first_head, r.stop)) for r in mine]
+        plans.append(WritePlan(d_rank, _concat(parts), expected))
+    return plans
+
+
+def _concat(plans: list[Plan]) -> Plan:
+    if len(plans) == 1:
+        return plans[0]
+    return Plan(
+        np.concatenate([p.src for p in plans]),
+        np.concatenate([p.dst for p in plans]),
+        np.concatenate([p.lengths for p in plans]),
+        sum(p.unmerged_count for p in plans),
+    )
