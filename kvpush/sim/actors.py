@@ -150,7 +150,7 @@ class ControlPlane:
         if method == "RegisterEngineRank":
             return registrar.register(request)
         if method == "KeepAlive":
-            return registrar.keep_alive(request.lease_ids)
+            return registrar.keep_alive(request.lease_ids, caller)
         if method == "RegisterDestination":
             return broker.register_destination(request, caller)
         if method == "ReportPrefillDone":

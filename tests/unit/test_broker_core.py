@@ -743,7 +743,7 @@ def test_losing_the_prefill_engine_fails_the_attempt_at_once_and_fences_it_by_ti
     h.prefill_done()
     h.messages()
     lost = h.clock.now()
-    h.registrar.deregister(h.leases[P][0])
+    h.registrar.deregister(h.leases[P][0], P)
     transfer = h.broker.get_transfer("t1", 1)
     assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_FAILED, S.END_REASON_PREFILL_ENGINE_LOST, False)
     assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_PREFILL_ENGINE_LOST)]
@@ -761,7 +761,7 @@ def test_a_lost_ranks_own_answer_still_fences_at_once():
     h = Harness()
     h.register()
     h.prefill_done()
-    h.registrar.deregister(h.leases[P][0])
+    h.registrar.deregister(h.leases[P][0], P)
     h.events()
     h.write(outcome=REVOKED)
     assert h.fenced() and h.events() == [("t1", 1, ENDED, S.END_REASON_PREFILL_ENGINE_LOST)]
@@ -773,7 +773,7 @@ def test_a_lapsed_prefill_lease_fails_the_attempt_and_fences_it_by_time():
     h.prefill_done(timeout_s=120)
     h.messages()
     h.clock.advance(29)
-    h.registrar.keep_alive(h.leases[D])
+    h.registrar.keep_alive(h.leases[D], D)
     h.clock.advance(1)
     h.registrar.sweep()
     assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_PREFILL_ENGINE_LOST
@@ -788,7 +788,7 @@ def test_losing_the_decode_engine_revokes_orders():
     h.register()
     h.prefill_done()
     h.messages()
-    h.registrar.deregister(h.leases[D][0])
+    h.registrar.deregister(h.leases[D][0], D)
     assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_DECODE_ENGINE_LOST
     assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
     assert not h.decode.active
@@ -803,7 +803,7 @@ def test_a_lost_producer_among_two_is_fenced_by_time_not_at_once():
     h.cancel()
     h.write(tp=0, outcome=REVOKED)
     assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
-    h.registrar.deregister(h.leases[P][1])
+    h.registrar.deregister(h.leases[P][1], P)
     assert h.events() == []  # rank 1 may still have a WRITE in flight
     h.advance(STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN)
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
@@ -1188,7 +1188,7 @@ def test_every_table_shrinks_back_once_everything_settled_and_aged_out():
     h.broker.subscribe_producer(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-1", incarnation="inc-1"), "prefill-1")
     h.broker.register_destination(sample.destination_request("lost", prefill_engine_id="prefill-1"), D)
     h.broker.report_prefill_done(sample.prefill_done_request("lost", prefill_engine_id="prefill-1"), "prefill-1")
-    h.registrar.deregister(lease)
+    h.registrar.deregister(lease, "prefill-1")
     assert h.broker.unsettled_attempts > 0 and h.broker.memory_sizes["transfers"] == 8
     for _ in range(100):  # past every deadline, fencing bound, keep_until and retention
         h.advance(10)
