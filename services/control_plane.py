@@ -84,7 +84,7 @@ async def start(
         server_config,
         [
             Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth)),
-            Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, registrar, auth)),
+            Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, auth)),
         ],
         tokens=tokens,
         tracer_provider=tracer_provider,

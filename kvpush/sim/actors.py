@@ -25,7 +25,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.broker.core import Actor, BrokerCore
+from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import timestamp
 from kvpush.services.common.validation import duration
@@ -154,7 +154,7 @@ class ControlPlane:
         if method == "RegisterEngineRank":
             return registrar.register(request)
         if method == "KeepAlive":
-            return registrar.keep_alive(request.lease_ids)
+            return registrar.keep_alive(request.lease_ids, caller)
         if method == "RegisterDestination":
             return broker.register_destination(request, caller)
         if method == "ReportPrefillDone":
@@ -162,8 +162,7 @@ class ControlPlane:
         if method == "ReportWriteResult":
             return broker.report_write_result(request, caller)
         if method == "CancelTransfer":
-            actor = Actor.ROUTER if caller == "router" else Actor.PREFILL if caller == P_ENGINE else Actor.DECODE
-            return broker.cancel(request.key, actor, request.detail, "" if actor is Actor.ROUTER else caller)
+            return broker.cancel(request.key, None if caller == "router" else caller, request.detail)
         raise ValueError(method)
 
     # ---- streams ----

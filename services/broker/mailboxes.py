@@ -5,7 +5,7 @@ Each stream is a Subscription with its own bounded Outbox. Nothing is queued
 for a subscriber that is not connected and nothing is ever dropped from a
 connected one: an outbox that overflows closes, its stream ends, and the
 subscriber's next stream starts with a resync — the core regenerates every
-order, revocation and closure that is still owed (see BrokerCore.subscribe_*).
+order, revocation and closure that is still owed (AttemptMachine.resync_*).
 A lost message therefore costs a reconnect, never a fencing answer.
 
 A producer mailbox also tracks when its rank last had a stream: orders reach
@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from collections import deque
 
+from kvpush.errors import Reason, Unavailable
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.attempts import RankKey
+from kvpush.services.broker.plans import Planner
 from kvpush.services.common.outbox import Outbox
 
 DecodeKey = tuple[str, str]  # (engine_id, incarnation)
+# How many final events a decode engine's new stream gets again.
+RESYNC_EVENTS = 4096
 
 
 class Subscription:
@@ -115,3 +119,68 @@ class DecodeMailbox(_Mailbox):
     def put_final(self, message: rv_pb.StreamTransferEventsResponse) -> None:
         self.recent.append(message)
         self.put(message)
+
+
+class Mailboxes:
+    """Every producer rank's and decode engine incarnation's mailbox; no stream attaches once closed."""
+
+    def __init__(self, planner: Planner):
+        self._planner = planner
+        self._producers: dict[RankKey, ProducerMailbox] = {}
+        self._decoders: dict[DecodeKey, DecodeMailbox] = {}
+        self._closed = False
+
+    @property
+    def memory_sizes(self) -> dict[str, int]:
+        return {"producer_mailboxes": len(self._producers), "decode_mailboxes": len(self._decoders)}
+
+    def producer(self, rank_key: RankKey) -> ProducerMailbox | None:
+        return self._producers.get(rank_key)
+
+    def open_producer(self, rank_key: RankKey, now: float) -> ProducerMailbox:
+        """The rank's mailbox; a new one when it has none or its old one closed."""
+        mailbox = self._producers.get(rank_key)
+        if mailbox is None or mailbox.closed:
+            mailbox = self._producers[rank_key] = ProducerMailbox(rank_key, now)
+        return mailbox
+
+    def decoder(self, key: DecodeKey, now: float) -> DecodeMailbox | None:
+        """The decode engine incarnation's mailbox, opened on first use (None once that incarnation is gone)."""
+        mailbox = self._decoders.get(key)
+        if mailbox is None:
+            if self._planner.engine_lost(*key):
+                return None
+            mailbox = self._decoders[key] = DecodeMailbox(key, now, RESYNC_EVENTS)
+        return mailbox
+
+    def open_decoder(self, key: DecodeKey, now: float) -> DecodeMailbox:
+        """The mailbox a new decode stream claims; a new one when it has none or its old one closed."""
+        mailbox = self._decoders.get(key)
+        if mailbox is None or mailbox.closed:
+            mailbox = self._decoders[key] = DecodeMailbox(key, now, RESYNC_EVENTS)
+        return mailbox
+
+    def check_open(self) -> None:
+        if self._closed:
+            raise Unavailable("the broker is shutting down", reason=Reason.UNAVAILABLE)
+
+    def close_lost(self, engine_id: str, now: float) -> None:
+        """Closes the mailboxes of the engine's ranks and incarnations that left."""
+        for key, mailbox in self._producers.items():
+            if key[0] == engine_id and not mailbox.closed and self._planner.rank_lost(key):
+                mailbox.close(now)
+        for key in [k for k in self._decoders if k[0] == engine_id and self._planner.engine_lost(*k)]:
+            self._decoders.pop(key).close(now)
+
+    def prune(self, horizon: float) -> None:
+        """Forgets producer mailboxes closed before horizon: nothing sent through them can still be acted on."""
+        for key in [k for k, m in self._producers.items() if m.closed and m.quiet_since < horizon]:
+            del self._producers[key]
+
+    def close(self, now: float) -> None:
+        """Ends every stream; later ones are refused."""
+        self._closed = True
+        for mailbox in (*self._producers.values(), *self._decoders.values()):
+            if mailbox.subscriber is not None:
+                mailbox.subscriber.outbox.close()
+                mailbox.release(mailbox.subscriber, now)

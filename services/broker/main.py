@@ -66,7 +66,7 @@ async def serve(
     auth = Authenticator(mtls=server_config.mtls)
     running = await build_server(
         server_config,
-        [Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, directory, auth))],
+        [Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, auth))],
         tokens=tokens,
         serving=False,
     )

@@ -11,11 +11,10 @@ import grpc
 from opentelemetry import context as otel_context
 
 from kvpush import status
-from kvpush.engine.v1 import engine_pb2
-from kvpush.errors import Internal, InvalidArgument, KvpushError, PermissionDenied, Reason
+from kvpush.errors import Internal, InvalidArgument, KvpushError, Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
-from kvpush.services.broker.core import Actor, BrokerCore, EngineDirectory
+from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import validation
 from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.rpc import drain_to_stream, rpc_method
@@ -30,9 +29,8 @@ SERVICE_NAME = rv_pb.DESCRIPTOR.services_by_name["RendezvousService"].full_name
 
 
 class BrokerServicer(rv_grpc.RendezvousServiceServicer):
-    def __init__(self, core: BrokerCore, directory: EngineDirectory, auth: Authenticator):
+    def __init__(self, core: BrokerCore, auth: Authenticator):
         self._core = core
-        self._directory = directory
         self._auth = auth
         # GetTransfer long polls waiting for an attempt to end, by (transfer_id, attempt).
         self._end_waiters: dict[tuple[str, int], list[asyncio.Future]] = {}
@@ -79,16 +77,7 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
 
     @rpc_method
     async def CancelTransfer(self, request: rv_pb.CancelTransferRequest, context: grpc.aio.ServicerContext) -> rv_pb.CancelTransferResponse:
-        engine_id = self._auth.transfer_caller(context)
-        if engine_id is None:
-            return self._core.cancel(request.key, Actor.ROUTER, request.detail)
-        return self._core.cancel(request.key, self._engine_actor(engine_id), request.detail, engine_id)
-
-    def _engine_actor(self, engine_id: str) -> Actor:
-        engine = self._directory.get_engine(engine_id)
-        if engine is None:
-            raise PermissionDenied(f"{engine_id!r} is neither the router nor a registered engine", reason=Reason.ENGINE_IDENTITY_MISMATCH)
-        return Actor.PREFILL if engine.role == engine_pb2.ENGINE_ROLE_PREFILL else Actor.DECODE
+        return self._core.cancel(request.key, self._auth.transfer_caller(context), request.detail)
 
     @rpc_method
     async def EngineReports(self, requests, context: grpc.aio.ServicerContext) -> None:
@@ -125,7 +114,7 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         for item in batch.cancels:
             answer = response.cancels.add(key=item.key)
             with _item_errors(answer):
-                answer.response.CopyFrom(core.cancel(item.key, self._engine_actor(identity), item.detail, identity))
+                answer.response.CopyFrom(core.cancel(item.key, identity, item.detail))
         return response
 
     @rpc_method

@@ -18,11 +18,12 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from kvpush.engine.v1 import engine_pb2
-from kvpush.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Reason, ResourceExhausted
+from kvpush.errors import AlreadyExists, NotFound, PermissionDenied, Reason, ResourceExhausted
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import validation
 from kvpush.services.common.clock import Clock, timestamp, wall_at
 from kvpush.services.common.outbox import Outbox
+from kvpush.services.registrar import checks
 from kvpush.services.registrar.config import RegistrarConfig
 
 logger = logging.getLogger(__name__)
@@ -39,21 +40,6 @@ class RemovalReason:
     DEREGISTERED = "DEREGISTERED"
     LEASE_EXPIRED = "LEASE_EXPIRED"
     REPLACED = "REPLACED"
-
-
-_ROLES = frozenset(engine_pb2.EngineRole.values()) - {0}
-_DTYPES = frozenset(engine_pb2.KvDtype.values()) - {0}
-_MEMORY_KINDS = frozenset(engine_pb2.MemoryKind.values()) - {0}
-_PLANES = frozenset(engine_pb2.KvPlane.values()) - {0}
-_GROUP_KINDS = frozenset(engine_pb2.KvCacheGroupKind.values()) - {0}
-
-
-def _out_of_range(message: str, field: str) -> InvalidArgument:
-    return InvalidArgument(message, reason=Reason.FIELD_OUT_OF_RANGE, field=field)
-
-
-def _required(message: str, field: str) -> InvalidArgument:
-    return InvalidArgument(message, reason=Reason.FIELD_REQUIRED, field=field)
 
 
 class _Rank:
@@ -147,8 +133,7 @@ class RegistrarCore:
 
     def list_engines(self, role: int = 0) -> list[reg_pb.Engine]:
         """Copies of the live engines of a role (0 = all), ordered by engine_id."""
-        if role and role not in _ROLES:
-            raise InvalidArgument(f"role has unknown value {role}", reason=Reason.FIELD_INVALID, field="role")
+        checks.check_role_filter(role)
         return [self._describe(self._engines[eid]) for eid in sorted(self._engines) if not role or self._engines[eid].role == role]
 
     def lease_engine(self, lease_id: str) -> str | None:
@@ -167,7 +152,7 @@ class RegistrarCore:
 
     def register(self, request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankResponse:
         """Registers one rank; see RegistrarService.RegisterEngineRank."""
-        ttl = self._validate_registration(request)
+        ttl = checks.registration_ttl(request, self._config)
         rank = request.rank
         now = self._clock.now()
         record = self._engines.get(rank.engine_id)
@@ -183,7 +168,7 @@ class RegistrarCore:
             record = _Engine(rank, request.compatibility_hash, self._clock.wall())
             self._engines[rank.engine_id] = record
         else:
-            self._check_same_engine(record, request)
+            checks.check_same_engine(record, request)
             existing = record.ranks.get(position)
             if existing is not None:
                 registered = existing.registered
@@ -216,11 +201,18 @@ class RegistrarCore:
         )
         return self._grant(entry)
 
-    def keep_alive(self, lease_ids: Iterable[str]) -> reg_pb.KeepAliveResponse:
-        """Renews leases; unknown ones come back in unknown_lease_ids."""
+    def keep_alive(self, lease_ids: Iterable[str], caller_engine_id: str) -> reg_pb.KeepAliveResponse:
+        """Renews leases of the caller's engine; unknown ones come back in unknown_lease_ids.
+
+        A request naming another engine's lease renews nothing. A KeepAlive
+        stream is bound to no lease: its end ends none, so a rank that
+        reconnects renews the same leases on a new stream.
+        """
         ids = list(lease_ids)
         if not ids:
-            raise _required("lease_ids needs at least one lease", "lease_ids")
+            raise checks.required("lease_ids needs at least one lease", "lease_ids")
+        for lease_id in ids:
+            self._check_lease_holder(self._leases.get(lease_id), caller_engine_id, "lease_ids")
         now = self._clock.now()
         response = reg_pb.KeepAliveResponse()
         earliest = None
@@ -235,13 +227,14 @@ class RegistrarCore:
             response.expire_time.CopyFrom(timestamp(wall_at(self._clock, earliest)))
         return response
 
-    def deregister(self, lease_id: str) -> reg_pb.DeregisterEngineRankResponse:
-        """Removes the rank holding lease_id; returns the engine after the removal."""
+    def deregister(self, lease_id: str, caller_engine_id: str) -> reg_pb.DeregisterEngineRankResponse:
+        """Removes the rank holding lease_id, which must be the caller's engine's; returns the engine after the removal."""
         if not lease_id:
-            raise _required("lease_id is required", "lease_id")
+            raise checks.required("lease_id is required", "lease_id")
         rank = self._leases.get(lease_id)
         if rank is None:
             raise NotFound(f"lease {lease_id!r} does not exist", reason=Reason.LEASE_NOT_FOUND, field="lease_id")
+        self._check_lease_holder(rank, caller_engine_id, "lease_id")
         record = rank.engine
         self._remove_ranks(record, [rank.position], RemovalReason.DEREGISTERED)
         return reg_pb.DeregisterEngineRankResponse(engine=record.snapshot)
@@ -274,8 +267,7 @@ class RegistrarCore:
         watcher names who watches (the caller's identity); each may hold at
         most max_watches_per_identity watches until unwatch().
         """
-        if role and role not in _ROLES:
-            raise InvalidArgument(f"role has unknown value {role}", reason=Reason.FIELD_INVALID, field="role")
+        checks.check_role_filter(role)
         held = self._watches_by_watcher.get(watcher, 0)
         if held >= self._config.max_watches_per_identity:
             raise ResourceExhausted(f"{watcher!r} already holds {held} engine watches, the most allowed", reason=Reason.TOO_MANY_WATCHES)
@@ -308,133 +300,12 @@ class RegistrarCore:
 
     # ----- internals -----
 
-    def _validate_registration(self, request: reg_pb.RegisterEngineRankRequest) -> float:
-        """Checks every field; returns the granted lease TTL in seconds."""
-        cfg = self._config
-        if not request.HasField("rank"):
-            raise _required("rank is required", "rank")
-        rank = request.rank
-        validation.check_id(rank.engine_id, "rank.engine_id")
-        validation.check_text(rank.incarnation, "rank.incarnation", cfg.max_text_length)
-        validation.check_enum(rank.role, _ROLES, "rank.role")
-        if rank.tp_size == 0:
-            raise _required("rank.tp_size must be at least 1", "rank.tp_size")
-        if rank.pp_size == 0:
-            raise _required("rank.pp_size must be at least 1", "rank.pp_size")
-        if rank.tp_size * rank.pp_size > cfg.max_ranks_per_engine:
-            raise _out_of_range(f"an engine may have at most {cfg.max_ranks_per_engine} ranks", "rank.tp_size")
-        if rank.tp_rank >= rank.tp_size:
-            raise _out_of_range(f"rank.tp_rank {rank.tp_rank} is not below tp_size {rank.tp_size}", "rank.tp_rank")
-        if rank.pp_rank >= rank.pp_size:
-            raise _out_of_range(f"rank.pp_rank {rank.pp_rank} is not below pp_size {rank.pp_size}", "rank.pp_rank")
-
-        if not request.HasField("nixl"):
-            raise _required("nixl is required", "nixl")
-        nixl = request.nixl
-        validation.check_text(nixl.agent_name, "nixl.agent_name", cfg.max_text_length)
-        if not nixl.agent_metadata:
-            raise _required("nixl.agent_metadata is required", "nixl.agent_metadata")
-        if len(nixl.agent_metadata) > cfg.max_agent_metadata_bytes:
-            raise _out_of_range(f"nixl.agent_metadata exceeds {cfg.max_agent_metadata_bytes} bytes", "nixl.agent_metadata")
-        if len(nixl.backends) > cfg.max_backends:
-            raise _out_of_range(f"nixl.backends lists more than {cfg.max_backends} backends", "nixl.backends")
-        for i, backend in enumerate(nixl.backends):
-            validation.check_text(backend, f"nixl.backends[{i}]", cfg.max_text_length)
-
-        if not request.HasField("layout"):
-            raise _required("layout is required", "layout")
-        self._validate_layout(request.layout)
-        validation.check_text(request.compatibility_hash, "compatibility_hash", cfg.max_text_length)
-
-        if not request.HasField("lease_ttl"):
-            return cfg.default_lease_ttl_s
-        requested = request.lease_ttl.seconds + request.lease_ttl.nanos * 1e-9
-        if requested < 0:
-            raise _out_of_range("lease_ttl must not be negative", "lease_ttl")
-        if requested == 0:
-            return cfg.default_lease_ttl_s
-        return min(max(requested, cfg.min_lease_ttl_s), cfg.max_lease_ttl_s)
-
-    def _validate_layout(self, layout: engine_pb2.KvLayout) -> None:
-        cfg = self._config
-        validation.check_enum(layout.dtype, _DTYPES, "layout.dtype")
-        if layout.head_size == 0:
-            raise _required("layout.head_size must be positive", "layout.head_size")
-        if layout.total_kv_heads == 0:
-            raise _required("layout.total_kv_heads must be positive", "layout.total_kv_heads")
-        if layout.num_local_heads == 0:
-            raise _required("layout.num_local_heads must be positive", "layout.num_local_heads")
-        if layout.first_head + layout.num_local_heads > layout.total_kv_heads:
-            raise _out_of_range(
-                f"heads [{layout.first_head}, {layout.first_head + layout.num_local_heads}) exceed total_kv_heads {layout.total_kv_heads}",
-                "layout.first_head",
-            )
-        if layout.num_layers == 0:
-            raise _required("layout.num_layers must be positive", "layout.num_layers")
-        validation.check_enum(layout.memory_kind, _MEMORY_KINDS, "layout.memory_kind")
-
-        if not layout.groups:
-            raise _required("layout.groups needs at least one group", "layout.groups")
-        if len(layout.groups) > cfg.max_groups:
-            raise _out_of_range(f"layout.groups lists more than {cfg.max_groups} groups", "layout.groups")
-        group_indexes: set[int] = set()
-        for i, group in enumerate(layout.groups):
-            where = f"layout.groups[{i}]"
-            if group.group_index in group_indexes:
-                raise InvalidArgument(f"group_index {group.group_index} is listed twice", reason=Reason.FIELD_INVALID, field=f"{where}.group_index")
-            group_indexes.add(group.group_index)
-            validation.check_enum(group.kind, _GROUP_KINDS, f"{where}.kind")
-            if group.block_size == 0:
-                raise _required(f"{where}.block_size must be positive", f"{where}.block_size")
-            if group.num_blocks == 0:
-                raise _required(f"{where}.num_blocks must be positive", f"{where}.num_blocks")
-
-        if not layout.regions:
-            raise _required("layout.regions needs at least one region", "layout.regions")
-        if len(layout.regions) > cfg.max_regions:
-            raise _out_of_range(f"layout.regions lists more than {cfg.max_regions} regions", "layout.regions")
-        seen: set[tuple[int, int]] = set()
-        for i, region in enumerate(layout.regions):
-            where = f"layout.regions[{i}]"
-            validation.check_text(region.layer_name, f"{where}.layer_name", cfg.max_text_length)
-            if region.layer_index >= layout.num_layers:
-                raise _out_of_range(f"layer_index {region.layer_index} is not below num_layers {layout.num_layers}", f"{where}.layer_index")
-            if region.group_index not in group_indexes:
-                raise InvalidArgument(f"group_index {region.group_index} names no group", reason=Reason.FIELD_INVALID, field=f"{where}.group_index")
-            validation.check_enum(region.plane, _PLANES, f"{where}.plane")
-            if (region.layer_index, region.plane) in seen:
-                raise InvalidArgument("this (layer_index, plane) is described twice", reason=Reason.FIELD_INVALID, field=f"{where}.plane")
-            seen.add((region.layer_index, region.plane))
-            if region.base_address == 0:
-                raise _required(f"{where}.base_address is required", f"{where}.base_address")
-            if region.block_stride_bytes == 0:
-                raise _required(f"{where}.block_stride_bytes must be positive", f"{where}.block_stride_bytes")
-            if region.token_stride_bytes == 0:
-                raise _required(f"{where}.token_stride_bytes must be positive", f"{where}.token_stride_bytes")
-            if region.head_stride_bytes == 0 and layout.num_local_heads > 1:
-                raise _required(f"{where}.head_stride_bytes must be positive with several local heads", f"{where}.head_stride_bytes")
-
     @staticmethod
-    def _check_same_engine(record: _Engine, request: reg_pb.RegisterEngineRankRequest) -> None:
-        rank = request.rank
-        if rank.role != record.role:
-            raise FailedPrecondition(
-                f"{record.engine_id} incarnation {record.incarnation} registered as {engine_pb2.EngineRole.Name(record.role)}",
-                reason=Reason.ENGINE_ROLE_MISMATCH,
-                field="rank.role",
-            )
-        for name, value, expected in (("tp_size", rank.tp_size, record.tp_size), ("pp_size", rank.pp_size, record.pp_size)):
-            if value != expected:
-                raise FailedPrecondition(
-                    f"other ranks of {record.engine_id} registered {name} {expected}, not {value}",
-                    reason=Reason.INCOMPATIBLE_LAYOUT,
-                    field=f"rank.{name}",
-                )
-        if request.compatibility_hash != record.compatibility_hash:
-            raise FailedPrecondition(
-                f"other ranks of {record.engine_id} registered compatibility_hash {record.compatibility_hash!r}",
-                reason=Reason.INCOMPATIBLE_LAYOUT,
-                field="compatibility_hash",
+    def _check_lease_holder(rank: _Rank | None, caller_engine_id: str, field: str) -> None:
+        """A known lease may be used only by the engine that holds it (an unknown one is no one's)."""
+        if rank is not None and rank.engine.engine_id != caller_engine_id:
+            raise PermissionDenied(
+                f"{caller_engine_id!r} may not act for engine {rank.engine.engine_id!r}", reason=Reason.ENGINE_IDENTITY_MISMATCH, field=field
             )
 
     def _grant(self, rank: _Rank) -> reg_pb.RegisterEngineRankResponse:

@@ -27,26 +27,13 @@ class RegistrarServicer(reg_grpc.RegistrarServiceServicer):
 
     @rpc_method
     async def KeepAlive(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
-        self._auth.engine_identity(context, "lease_ids")
-        # A lease lapses only by time (or DeregisterEngineRank), never because a
-        # stream ended: after a blip a rank renews the same lease on a new
-        # stream, and an old stream's end must not end what the new one renews.
-        bound: set[str] = set()  # engines this stream proved to act for
+        caller = self._auth.engine_identity(context, "lease_ids")
         async for request in request_iterator:
-            for lease_id in request.lease_ids:
-                engine_id = self._core.lease_engine(lease_id)
-                if engine_id is not None and engine_id not in bound:
-                    self._auth.engine_caller(context, engine_id, "lease_ids")
-                    bound.add(engine_id)
-            await context.write(self._core.keep_alive(request.lease_ids))
+            await context.write(self._core.keep_alive(request.lease_ids, caller))
 
     @rpc_method
     async def DeregisterEngineRank(self, request: reg_pb.DeregisterEngineRankRequest, context: grpc.aio.ServicerContext) -> reg_pb.DeregisterEngineRankResponse:
-        self._auth.engine_identity(context, "lease_id")
-        engine_id = self._core.lease_engine(request.lease_id)
-        if engine_id is not None:
-            self._auth.engine_caller(context, engine_id, "lease_id")
-        return self._core.deregister(request.lease_id)
+        return self._core.deregister(request.lease_id, self._auth.engine_identity(context, "lease_id"))
 
     @rpc_method
     async def GetEngine(self, request: reg_pb.GetEngineRequest, context: grpc.aio.ServicerContext) -> reg_pb.GetEngineResponse:

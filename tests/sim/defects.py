@@ -19,7 +19,9 @@ from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
 from kvpush.rendezvous.v1 import transfer_pb2
+from kvpush.services.broker import checks
 from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.machine import AttemptMachine
 from kvpush.services.common.clock import timestamp
 from kvpush.sim.actors import Timing
 
@@ -38,12 +40,12 @@ def patched(*patches: tuple[object, str, object]) -> Iterator[None]:
 
 def _lost_rank_fenced_at_once():
     """1. A rank whose lease lapsed counted as fenced at once, though it may still post."""
-    original = BrokerCore._fence_bound
+    original = AttemptMachine.fence_bound
 
     def fence_bound(self, rank_key, order):
         return float("-inf") if self._planner.rank_lost(rank_key) else original(self, rank_key, order)
 
-    return patched((BrokerCore, "_fence_bound", fence_bound))
+    return patched((AttemptMachine, "fence_bound", fence_bound))
 
 
 def _aborted_registration_frees():
@@ -52,7 +54,7 @@ def _aborted_registration_frees():
     original_refused = DecodeWaits.registration_refused
 
     def arrive(self, side, request, caller, parent):
-        record = self._transfers.get(request.key.transfer_id)
+        record = self._store.record(request.key.transfer_id)
         if record is not None and request.key.attempt < record.newest:
             raise Aborted("superseded", reason=Reason.TRANSFER_SUPERSEDED, field="key.attempt")
         return original_arrive(self, side, request, caller, parent)
@@ -99,12 +101,12 @@ def _budget_from_receipt():
 
 def _ended_attempt_never_times_out():
     """4b. An ended attempt waited for its ranks' answers forever (tick() never fenced it by time)."""
-    return patched((BrokerCore, "_fence_bound", lambda self, rank_key, order: float("inf")))
+    return patched((AttemptMachine, "fence_bound", lambda self, rank_key, order: float("inf")))
 
 
 def _hold_margin_unchecked():
     """4c. Any hold (free) margin was accepted, however short, and WRITEs kept the broker's full write timeout."""
-    return patched((BrokerCore, "_write_timeout", lambda self, request: self._config.write_timeout_s))
+    return patched((checks, "write_timeout", lambda request, config: config.write_timeout_s))
 
 
 def _no_write_timeout():

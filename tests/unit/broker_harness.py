@@ -6,7 +6,7 @@ from __future__ import annotations
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.broker.core import Actor, BrokerCore, Subscription
+from kvpush.services.broker.core import BrokerCore, Subscription
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common import validation
 from kvpush.services.common.clock import ManualClock, timestamp
@@ -89,8 +89,9 @@ class Harness:
         request.reason = reason
         return self.broker.report_write_result(request, P).state
 
-    def cancel(self, transfer_id: str = "t1", attempt: int = 1, actor: Actor = Actor.ROUTER, caller: str = "", detail: str = "") -> rv_pb.CancelTransferResponse:
-        return self.broker.cancel(tr_pb.TransferKey(transfer_id=transfer_id, attempt=attempt), actor, detail, caller)
+    def cancel(self, transfer_id: str = "t1", attempt: int = 1, caller: str | None = None, detail: str = "") -> rv_pb.CancelTransferResponse:
+        """A cancel from caller (None: the router)."""
+        return self.broker.cancel(tr_pb.TransferKey(transfer_id=transfer_id, attempt=attempt), caller, detail)
 
     def fenced(self, transfer_id: str = "t1", attempt: int = 1) -> bool:
         return self.broker.get_transfer(transfer_id, attempt).fenced

@@ -17,7 +17,6 @@ from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.broker.core import Actor
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import timestamp
 
@@ -441,7 +440,7 @@ def test_a_new_broker_fences_nothing_with_orders_or_a_destination_during_its_sta
     h.cancel("t3")  # neither: nothing of it can be written anywhere
     assert (h.fenced("t1"), h.fenced("t2"), h.fenced("t3")) == (False, False, True)
     assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER), ("t2", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
-    assert not h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), Actor.ROUTER).fenced
+    assert not h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), None).fenced
     assert h.broker.tick() == grace_end
     h.advance(grace_end - h.clock.now() - 0.5)
     assert not h.fenced("t1")
@@ -540,19 +539,20 @@ def test_a_refused_second_arrival_repeats_its_refusal_and_its_fencing():
 
 
 @pytest.mark.parametrize(
-    "actor, caller, reason",
+    "caller, reason",
     [
-        (Actor.ROUTER, "", S.END_REASON_CANCELLED_BY_ROUTER),
-        (Actor.PREFILL, P, S.END_REASON_CANCELLED_BY_PREFILL),
-        (Actor.DECODE, D, S.END_REASON_CANCELLED_BY_DECODE),
+        (None, S.END_REASON_CANCELLED_BY_ROUTER),
+        (P, S.END_REASON_CANCELLED_BY_PREFILL),
+        (D, S.END_REASON_CANCELLED_BY_DECODE),
     ],
 )
-def test_cancel_by_each_actor(actor, caller, reason):
+def test_cancel_by_each_actor(caller, reason):
+    """The router cancels as the router, an engine as the role it registered with."""
     h = Harness()
     h.register()
     h.prefill_done()
     h.messages()
-    response = h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), actor, "client left", caller)
+    response = h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), caller, "client left")
     assert (response.state, response.fenced) == (S.TRANSFER_STATE_CANCELLED, False)
     transfer = h.broker.get_transfer("t1", 1)
     assert (transfer.end_reason, transfer.detail) == (reason, "client left")
@@ -560,31 +560,51 @@ def test_cancel_by_each_actor(actor, caller, reason):
     assert h.events() == [("t1", 1, FAILED_EVENT, reason)]
     h.write(outcome=REVOKED)
     assert h.events() == [("t1", 1, ENDED, reason)]
-    assert h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), actor, "again", caller).fenced
+    assert h.broker.cancel(tr_pb.TransferKey(transfer_id="t1", attempt=1), caller, "again").fenced
     expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, num_tokens=48)
 
 
 def test_an_engine_may_cancel_only_its_own_transfers():
     h = Harness()
     h.registrar.register(sample.rank_request("decode-1", sample.DECODE))
+    h.registrar.register(sample.rank_request("prefill-9", sample.PREFILL))
     h.register()
     key = tr_pb.TransferKey(transfer_id="t1", attempt=1)
-    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "key", h.broker.cancel, key, Actor.DECODE, "", "decode-1")
-    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "key", h.broker.cancel, key, Actor.PREFILL, "", "prefill-9")
+    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "key", h.broker.cancel, key, "decode-1")
+    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "key", h.broker.cancel, key, "prefill-9")
     assert h.state() == S.TRANSFER_STATE_WAITING_FOR_PREFILL
+
+
+def test_a_caller_neither_the_router_nor_a_registered_engine_may_cancel_nothing():
+    h = Harness()
+    h.register()
+    for key in (tr_pb.TransferKey(transfer_id="t1", attempt=1), tr_pb.TransferKey(transfer_id="t1"), tr_pb.TransferKey(transfer_id="t2", attempt=1)):
+        expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "", h.broker.cancel, key, "stranger")
+    assert h.state() == S.TRANSFER_STATE_WAITING_FOR_PREFILL
+    assert h.broker.newest_attempt("t2") == 0  # not even a tombstone
+
+
+def test_an_engine_that_left_cancels_nothing_more():
+    h = Harness()
+    h.register()
+    h.prefill_done()
+    for lease_id in h.leases[P]:
+        h.registrar.deregister(lease_id, P)
+    assert h.state() == S.TRANSFER_STATE_FAILED
+    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "", h.cancel, caller=P)
 
 
 def test_cancelling_every_attempt_and_unknown_attempts():
     h = Harness()
     h.register(attempt=1)
     h.prefill_done(attempt=2)
-    response = h.broker.cancel(tr_pb.TransferKey(transfer_id="t1"), Actor.ROUTER)
+    response = h.broker.cancel(tr_pb.TransferKey(transfer_id="t1"), None)
     assert (response.state, response.fenced) == (S.TRANSFER_STATE_CANCELLED, True)
     assert h.state(attempt=1) == S.TRANSFER_STATE_SUPERSEDED
-    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "key.transfer_id", h.broker.cancel, tr_pb.TransferKey(transfer_id="t9"), Actor.ROUTER)
+    expect(errors.NotFound, Reason.TRANSFER_NOT_FOUND, "key.transfer_id", h.broker.cancel, tr_pb.TransferKey(transfer_id="t9"), None)
     # The router cancelling an attempt nobody reported yet refuses its late messages and supersedes older ones.
     h.register("t2", attempt=1)
-    h.broker.cancel(tr_pb.TransferKey(transfer_id="t2", attempt=2), Actor.ROUTER)
+    h.broker.cancel(tr_pb.TransferKey(transfer_id="t2", attempt=2), None)
     assert h.state("t2", attempt=1) == S.TRANSFER_STATE_SUPERSEDED
     assert h.broker.newest_attempt("t2") == 2
     expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.register, transfer_id="t2", attempt=2)
@@ -594,7 +614,7 @@ def test_cancelling_every_attempt_and_unknown_attempts():
 def test_an_engines_cancel_of_an_unseen_attempt_is_a_tombstone_that_supersedes_nothing():
     h = Harness()
     h.register(attempt=1)
-    response = h.cancel(attempt=2, actor=Actor.DECODE, caller=D)
+    response = h.cancel(attempt=2, caller=D)
     assert (response.state, response.fenced) == (S.TRANSFER_STATE_CANCELLED, True)
     # Attempt 1 lives on: an engine acts for itself only.
     assert h.state(attempt=1) == S.TRANSFER_STATE_WAITING_FOR_PREFILL
@@ -605,11 +625,11 @@ def test_an_engines_cancel_of_an_unseen_attempt_is_a_tombstone_that_supersedes_n
     assert h.write(attempt=1) == S.TRANSFER_STATE_DONE
     # The same for the prefill side; an attempt older than the newest is superseded already.
     h.register("t2", attempt=1)
-    h.cancel("t2", attempt=3, actor=Actor.PREFILL, caller=P)
+    h.cancel("t2", attempt=3, caller=P)
     expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, "t2", attempt=3)
     assert h.state("t2", attempt=1) == S.TRANSFER_STATE_WAITING_FOR_PREFILL
     h.register("t3", attempt=2)
-    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.cancel, "t3", attempt=1, actor=Actor.DECODE, caller=D)
+    expect(errors.Aborted, Reason.TRANSFER_SUPERSEDED, "key.attempt", h.cancel, "t3", attempt=1, caller=D)
     # Only the router's cancel supersedes.
     h.cancel("t2", attempt=4)
     assert h.state("t2", attempt=1) == S.TRANSFER_STATE_SUPERSEDED
@@ -618,7 +638,7 @@ def test_an_engines_cancel_of_an_unseen_attempt_is_a_tombstone_that_supersedes_n
 def test_an_engines_tombstone_is_not_the_transfers_newest_attempt_for_queries_either():
     h = Harness()
     h.register(attempt=1)
-    h.cancel(attempt=2, actor=Actor.DECODE, caller=D)
+    h.cancel(attempt=2, caller=D)
     assert h.broker.newest_attempt("t1") == 1
     # GetTransfer's attempt 0 means the newest attempt: the live one, not the engine's tombstone.
     transfer = h.broker.get_transfer("t1", 0)
@@ -743,7 +763,7 @@ def test_losing_the_prefill_engine_fails_the_attempt_at_once_and_fences_it_by_ti
     h.prefill_done()
     h.messages()
     lost = h.clock.now()
-    h.registrar.deregister(h.leases[P][0])
+    h.registrar.deregister(h.leases[P][0], P)
     transfer = h.broker.get_transfer("t1", 1)
     assert (transfer.state, transfer.end_reason, transfer.fenced) == (S.TRANSFER_STATE_FAILED, S.END_REASON_PREFILL_ENGINE_LOST, False)
     assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_PREFILL_ENGINE_LOST)]
@@ -761,7 +781,7 @@ def test_a_lost_ranks_own_answer_still_fences_at_once():
     h = Harness()
     h.register()
     h.prefill_done()
-    h.registrar.deregister(h.leases[P][0])
+    h.registrar.deregister(h.leases[P][0], P)
     h.events()
     h.write(outcome=REVOKED)
     assert h.fenced() and h.events() == [("t1", 1, ENDED, S.END_REASON_PREFILL_ENGINE_LOST)]
@@ -773,7 +793,7 @@ def test_a_lapsed_prefill_lease_fails_the_attempt_and_fences_it_by_time():
     h.prefill_done(timeout_s=120)
     h.messages()
     h.clock.advance(29)
-    h.registrar.keep_alive(h.leases[D])
+    h.registrar.keep_alive(h.leases[D], D)
     h.clock.advance(1)
     h.registrar.sweep()
     assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_PREFILL_ENGINE_LOST
@@ -788,7 +808,7 @@ def test_losing_the_decode_engine_revokes_orders():
     h.register()
     h.prefill_done()
     h.messages()
-    h.registrar.deregister(h.leases[D][0])
+    h.registrar.deregister(h.leases[D][0], D)
     assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_DECODE_ENGINE_LOST
     assert h.kinds() == [("revocation", "t1", 1), ("closed", "t1", 1)]
     assert not h.decode.active
@@ -803,7 +823,7 @@ def test_a_lost_producer_among_two_is_fenced_by_time_not_at_once():
     h.cancel()
     h.write(tp=0, outcome=REVOKED)
     assert h.events() == [("t1", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
-    h.registrar.deregister(h.leases[P][1])
+    h.registrar.deregister(h.leases[P][1], P)
     assert h.events() == []  # rank 1 may still have a WRITE in flight
     h.advance(STREAM_LEASE + WRITE_TIMEOUT + FENCE_MARGIN)
     assert h.events() == [("t1", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
@@ -1181,14 +1201,14 @@ def test_every_table_shrinks_back_once_everything_settled_and_aged_out():
     h.cancel("cancelled")
     h.write("cancelled", tp=0, outcome=REVOKED)
     h.register("expired", timeout_s=2)
-    h.cancel("unseen", 3, Actor.DECODE, D)
+    h.cancel("unseen", 3, D)
     expect(errors.InvalidArgument, Reason.BLOCK_ID_OUT_OF_RANGE, "destination.blocks[0].block_ids[2]", h.register, "refused", first_block=998)
     expect(errors.FailedPrecondition, Reason.DEADLINE_PASSED, "deadline", h.register, "late", deadline_in=-1)
     # An attempt with an engine that leaves, its order unanswered.
     h.broker.subscribe_producer(rv_pb.StreamWriteOrdersRequest(engine_id="prefill-1", incarnation="inc-1"), "prefill-1")
     h.broker.register_destination(sample.destination_request("lost", prefill_engine_id="prefill-1"), D)
     h.broker.report_prefill_done(sample.prefill_done_request("lost", prefill_engine_id="prefill-1"), "prefill-1")
-    h.registrar.deregister(lease)
+    h.registrar.deregister(lease, "prefill-1")
     assert h.broker.unsettled_attempts > 0 and h.broker.memory_sizes["transfers"] == 8
     for _ in range(100):  # past every deadline, fencing bound, keep_until and retention
         h.advance(10)

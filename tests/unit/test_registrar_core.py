@@ -213,7 +213,7 @@ def test_a_new_incarnation_replaces_every_rank_of_the_old(registrar: RegistrarCo
         (UPSERTED, "decode-0", reg_pb.ENGINE_STATE_PARTIAL, ""),
     ]
     assert removals == [("decode-0", "inc-1", RemovalReason.REPLACED)]
-    assert list(registrar.keep_alive([old[0].lease_id, old[1].lease_id]).unknown_lease_ids) == [old[0].lease_id, old[1].lease_id]
+    assert list(registrar.keep_alive([old[0].lease_id, old[1].lease_id], "decode-0").unknown_lease_ids) == [old[0].lease_id, old[1].lease_id]
     assert registrar.get_engine("decode-0").incarnation == "inc-2"
 
 
@@ -230,7 +230,7 @@ def test_leases_lapse_unless_renewed(registrar: RegistrarCore, clock: ManualCloc
     events(watch)
     assert registrar.sweep() == clock.now() + 10.0
     clock.advance(6)
-    renewed = registrar.keep_alive([prefill.lease_id, "no-such-lease"])
+    renewed = registrar.keep_alive([prefill.lease_id, "no-such-lease"], "prefill-0")
     assert list(renewed.unknown_lease_ids) == ["no-such-lease"]
     clock.advance(4)
     next_expiry = registrar.sweep()
@@ -245,7 +245,29 @@ def test_leases_lapse_unless_renewed(registrar: RegistrarCore, clock: ManualCloc
 
 
 def test_keep_alive_needs_a_lease(registrar: RegistrarCore):
-    expect(errors.InvalidArgument, Reason.FIELD_REQUIRED, "lease_ids", registrar.keep_alive, [])
+    expect(errors.InvalidArgument, Reason.FIELD_REQUIRED, "lease_ids", registrar.keep_alive, [], "prefill-0")
+
+
+def test_a_keep_alive_naming_another_engines_lease_renews_nothing(registrar: RegistrarCore, clock: ManualClock):
+    prefill = registrar.register(sample.rank_request("prefill-0", sample.PREFILL)).lease_id
+    decode = registrar.register(sample.rank_request("decode-0", sample.DECODE)).lease_id
+    clock.advance(6)
+    error = expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "lease_ids", registrar.keep_alive, [prefill, decode], "prefill-0")
+    assert "'prefill-0' may not act for engine 'decode-0'" in error.message
+    clock.advance(4)
+    registrar.sweep()
+    assert registrar.get_engine("prefill-0") is None and registrar.get_engine("decode-0") is None  # neither was renewed
+    # Another engine's lease that no longer exists is no one's: it just comes back unknown.
+    again = registrar.register(sample.rank_request("decode-0", sample.DECODE)).lease_id
+    assert list(registrar.keep_alive([again, decode], "decode-0").unknown_lease_ids) == [decode]
+
+
+def test_only_the_engine_holding_a_lease_may_deregister_it(registrar: RegistrarCore, removals):
+    lease = registrar.register(sample.rank_request("decode-0", sample.DECODE)).lease_id
+    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "lease_id", registrar.deregister, lease, "prefill-0")
+    assert registrar.get_engine("decode-0") is not None and removals == []
+    registrar.deregister(lease, "decode-0")
+    assert registrar.get_engine("decode-0") is None
 
 
 def test_wakeup_fires_when_a_lease_may_lapse_sooner(registrar: RegistrarCore, clock: ManualClock):
@@ -261,18 +283,18 @@ def test_deregistering_one_rank_leaves_a_partial_engine(registrar: RegistrarCore
     leases = [registrar.register(r).lease_id for r in sample.engine_requests("decode-0", sample.DECODE, tp_size=2)]
     watch = registrar.watch()
     events(watch)
-    response = registrar.deregister(leases[1])
+    response = registrar.deregister(leases[1], "decode-0")
     assert response.engine.state == reg_pb.ENGINE_STATE_PARTIAL
     assert [r.rank.tp_rank for r in response.engine.ranks] == [0]
     assert removals == [("decode-0", "inc-1", RemovalReason.DEREGISTERED)]
-    response = registrar.deregister(leases[0])
+    response = registrar.deregister(leases[0], "decode-0")
     assert response.engine.state == reg_pb.ENGINE_STATE_GONE
     assert events(watch) == [
         (UPSERTED, "decode-0", reg_pb.ENGINE_STATE_PARTIAL, RemovalReason.DEREGISTERED),
         (REMOVED, "decode-0", reg_pb.ENGINE_STATE_GONE, RemovalReason.DEREGISTERED),
     ]
-    expect(errors.NotFound, Reason.LEASE_NOT_FOUND, "lease_id", registrar.deregister, leases[0])
-    expect(errors.InvalidArgument, Reason.FIELD_REQUIRED, "lease_id", registrar.deregister, "")
+    expect(errors.NotFound, Reason.LEASE_NOT_FOUND, "lease_id", registrar.deregister, leases[0], "decode-0")
+    expect(errors.InvalidArgument, Reason.FIELD_REQUIRED, "lease_id", registrar.deregister, "", "decode-0")
 
 
 def test_a_lease_ends_only_by_time_or_deregistration(registrar: RegistrarCore, clock: ManualClock, removals):
@@ -283,7 +305,7 @@ def test_a_lease_ends_only_by_time_or_deregistration(registrar: RegistrarCore, c
     clock.advance(9.5)
     assert registrar.sweep() == clock.now() + 0.5
     assert registrar.lease_engine(lease) == "prefill-0" and removals == []
-    registrar.keep_alive([lease])  # a rank reconnecting renews the same lease
+    registrar.keep_alive([lease], "prefill-0")  # a rank reconnecting renews the same lease
     clock.advance(9.5)
     registrar.sweep()
     assert registrar.lease_engine(lease) == "prefill-0"
@@ -324,7 +346,7 @@ def test_one_of_two_ranks_registered_twice_lapses_alone(registrar: RegistrarCore
     leases = [registrar.register(r).lease_id for r in requests]
     registrar.register(requests[1])
     clock.advance(6)
-    registrar.keep_alive([leases[0]])
+    registrar.keep_alive([leases[0]], "decode-0")
     clock.advance(4)
     registrar.sweep()
     engine = registrar.get_engine("decode-0")
@@ -339,7 +361,7 @@ def test_describe_and_list(registrar: RegistrarCore, clock: ManualClock):
     registrar.register(sample.rank_request("prefill-0", sample.PREFILL))
     lease = registrar.register(sample.rank_request("decode-0", sample.DECODE)).lease_id
     clock.advance(3)
-    registrar.keep_alive([lease])
+    registrar.keep_alive([lease], "decode-0")
     described = registrar.describe_engine("decode-0")
     assert described.ranks[0].expire_time.ToNanoseconds() == int((clock.wall() + 10) * 1e9)
     assert [e.engine_id for e in registrar.list_engines()] == ["decode-0", "prefill-0"]
@@ -392,7 +414,7 @@ def test_a_new_engine_past_max_engines_is_refused(clock: ManualClock):
     # Engines already registered add ranks and replace their incarnation.
     registrar.register(sample.rank_request("decode-0", sample.DECODE, tp_rank=1, tp_size=2))
     lease = registrar.register(sample.rank_request("prefill-0", sample.PREFILL, incarnation="inc-2")).lease_id
-    registrar.deregister(lease)
+    registrar.deregister(lease, "prefill-0")
     registrar.register(sample.rank_request("decode-1", sample.DECODE))
     assert registrar.engine_count == 2
 
