@@ -19,6 +19,12 @@ from kvpush import errors, status
 from kvpush.client.config import ClientConfig
 from kvpush.telemetry.context import inject_traceparent
 
+# The CLIENT spans are made here, not by opentelemetry-instrumentation-grpc's
+# aio_client_interceptors: with them a unary call cost 497 CPU µs in the
+# client process against 465 µs with these spans (355 µs untraced; 0.66b2,
+# grpcio 1.85.3, mean of 6 runs of 3000-5000 GetEngine calls, slower in
+# every run), before adding our attributes. And a stream they trace that is
+# cancelled (StreamCall.cancel()) keeps its span open until garbage collection.
 TRACER_NAME = "kvpush.client"
 
 ResponseT = TypeVar("ResponseT", bound=Message)
