@@ -74,7 +74,7 @@ from bench.sweep_report import report, write_json
 from bench.upstream import DECODE_ENGINE_ID as UPSTREAM_DECODE_ID
 from bench.upstream import PREFILL_ENGINE_ID as UPSTREAM_PREFILL_ID
 from bench.upstream import start_upstream_pair
-from kvpush.processes import cpu_seconds, thread_cpu_seconds
+from kvpush.processes import cpu_seconds, thread_cpu_seconds, thread_ids
 from kvpush.report.breakdown import breakdown, percentile
 from kvpush.telemetry import read_spans
 from tests.e2e.harness import (
@@ -273,11 +273,9 @@ class ModeStack:
         moved = 0
         for server, cpus in ((self.prefill, parse_cpu_list(PREFILL_CPUS)), (self.decode, parse_cpu_list(DECODE_CPUS))):
             pids = server.pids()
-            for pid in pids:
+            for tid in thread_ids(pids):
                 with contextlib.suppress(OSError):
-                    for tid in os.listdir(f"/proc/{pid}/task"):
-                        with contextlib.suppress(OSError):
-                            moved += os.sched_getaffinity(int(tid)) != cpus
+                    moved += os.sched_getaffinity(tid) != cpus
             pin_threads(pids, cpus)
         return moved
 

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvpush.processes import group_members
+from kvpush.processes import group_members, thread_ids
 from kvpush.report.breakdown import breakdown
 from kvpush.report.render import html_report, text_table, write_png
 from kvpush.services.common.tokens import create_tokens
@@ -150,16 +150,9 @@ def _engine_argv(model_dir: Path, port: int, cpu: str, kv_transfer_config: dict)
 
 def _pin(process: Process, cpu: int) -> None:
     """Pins every thread of the engine's process group to cpu (threads started after taskset may have moved)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != process.popen.pid:
-                continue
-            for tid in os.listdir(f"/proc/{entry}/task"):
-                os.sched_setaffinity(int(tid), {cpu})
-        except OSError:
-            continue
+    for tid in thread_ids(group_members(process.popen.pid)):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, {cpu})
 
 
 def _free_port() -> int:

@@ -7,29 +7,39 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import psutil
+
 
 def group_members(group: int) -> list[int]:
     """Live (not zombie) processes of a process group, sorted: an engine's API server, engine core and workers share one."""
     members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for process in psutil.process_iter(["status"]):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
+            # psutil has no process group; os.getpgid asks the kernel for it.
+            if os.getpgid(process.pid) == group and process.info["status"] != psutil.STATUS_ZOMBIE:
+                members.append(process.pid)
+        except ProcessLookupError:
             continue
-        # Fields after the parenthesised command name: state ppid pgrp ...
-        state, _, pgrp = stat[stat.rfind(")") + 2 :].split()[:3]
-        if int(pgrp) == group and state != "Z":
-            members.append(int(entry))
     return sorted(members)
+
+
+def thread_ids(pids: list[int]) -> list[int]:
+    """Ids of every thread of the given processes; processes already gone are skipped."""
+    tids = []
+    for pid in pids:
+        try:
+            tids.extend(thread.id for thread in psutil.Process(pid).threads())
+        except psutil.NoSuchProcess:
+            continue
+    return tids
 
 
 def name_os_thread(name: str) -> None:
     """Names the calling thread in the kernel (/proc/<pid>/task/<tid>/comm, top -H, perf), so its CPU can be told apart.
 
     Python's thread names stay inside Python; this sets the one the kernel
-    shows (at most 15 bytes). A no-op where prctl is not available.
+    shows (at most 15 bytes); psutil only reads process names. A no-op
+    where prctl is not available.
     """
     try:
         import ctypes
@@ -40,19 +50,25 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-def _stat_cpu_seconds(stat_path: str) -> float:
-    """User plus system CPU seconds from a /proc stat file (a process's or one thread's); 0 if it is gone."""
-    try:
-        stat = Path(stat_path).read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rfind(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds a process has used (all its threads); 0 if it is gone."""
-    return _stat_cpu_seconds(f"/proc/{pid}/stat")
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def _comm(pid: int, tid: int) -> str | None:
+    """The kernel's name of a thread (what name_os_thread set); None if it is gone.
+
+    psutil lists threads but does not name them, and its process name()
+    swaps a 15-byte name for the command line's, so both come from here.
+    """
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
@@ -62,16 +78,15 @@ def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
     """
     totals: dict[str, float] = {}
     for pid in pids:
+        process_name = _comm(pid, pid)  # the main thread's name is the process's
         try:
-            process = Path(f"/proc/{pid}/comm").read_text().strip()
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
+            threads = psutil.Process(pid).threads()
+        except psutil.NoSuchProcess:
             continue
-        for tid in tids:
-            try:
-                thread = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            except OSError:
+        for thread in threads:
+            thread_name = _comm(pid, thread.id)
+            if process_name is None or thread_name is None:
                 continue
-            key = f"{process}/{thread}"
-            totals[key] = totals.get(key, 0.0) + _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
+            key = f"{process_name}/{thread_name}"
+            totals[key] = totals.get(key, 0.0) + thread.user_time + thread.system_time
     return totals

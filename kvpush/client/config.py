@@ -5,20 +5,22 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
+from collections.abc import Collection, Iterable
 
 import grpc
 
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of unary calls that failed with UNAVAILABLE.
+    """gRPC's own retries of retry-safe unary calls that failed with UNAVAILABLE (a service config retryPolicy).
 
-    Backoff follows gRPC's retry design: before retry n (from 1) the client
-    sleeps a uniformly random time in [0, min(max_backoff_s,
+    Backoff follows gRPC's retry design (gRFC A6): before retry n (from 1)
+    the channel waits a uniformly random time in [0, min(max_backoff_s,
     initial_backoff_s * backoff_multiplier ** (n - 1))). No retry starts
     after the call's deadline. max_attempts counts the first try; 1 turns
-    retries off.
+    retries off, and gRPC treats more than 5 as 5.
     """
 
     max_attempts: int = 5
@@ -34,9 +36,24 @@ class RetryPolicy:
         if self.backoff_multiplier < 1:
             raise ValueError("backoff_multiplier must be at least 1")
 
-    def backoff_cap_s(self, retry: int) -> float:
-        """Returns the upper bound of the sleep before retry number `retry` (from 1)."""
-        return min(self.max_backoff_s, self.initial_backoff_s * self.backoff_multiplier ** (retry - 1))
+    def service_config(self, service: str, methods: Iterable[str]) -> str:
+        """Returns the gRPC service config (JSON) that retries these methods of service with this policy."""
+        return json.dumps(
+            {
+                "methodConfig": [
+                    {
+                        "name": [{"service": service, "method": method} for method in sorted(methods)],
+                        "retryPolicy": {
+                            "maxAttempts": self.max_attempts,
+                            "initialBackoff": f"{self.initial_backoff_s:.9f}s",
+                            "maxBackoff": f"{self.max_backoff_s:.9f}s",
+                            "backoffMultiplier": self.backoff_multiplier,
+                            "retryableStatusCodes": ["UNAVAILABLE"],
+                        },
+                    }
+                ]
+            }
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +108,8 @@ class ClientConfig:
     def uses_tls(self) -> bool:
         return self.tls or bool(self.ca_cert_path or self.client_cert_path)
 
-    def channel_options(self) -> list[tuple[str, int | str]]:
-        """Returns the grpc channel arguments this config implies."""
+    def channel_options(self, service: str = "", retry_safe: Collection[str] = ()) -> list[tuple[str, int | str]]:
+        """Returns the grpc channel arguments this config implies; gRPC retries retry_safe methods of service."""
         options: list[tuple[str, int | str]] = [
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
@@ -102,6 +119,15 @@ class ClientConfig:
         ]
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        if retry_safe and self.retry.max_attempts > 1:
+            options += [
+                ("grpc.enable_retries", 1),
+                ("grpc.service_config", self.retry.service_config(service, retry_safe)),
+                # gRPC keeps a call's request for retries only up to this size
+                # (256 KiB by default) and does not retry a larger one; engine
+                # registrations carry whole KV layouts.
+                ("grpc.per_rpc_retry_buffer_size", self.max_message_bytes),
+            ]
         return options
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
@@ -116,8 +142,13 @@ class ClientConfig:
             certificate_chain=read(self.client_cert_path),
         )
 
-    def open_channel(self, target: str) -> grpc.aio.Channel:
-        """Opens a grpc.aio channel to target; call it on the event loop that will use the channel."""
+    def open_channel(self, target: str, *, service: str = "", retry_safe: Collection[str] = ()) -> grpc.aio.Channel:
+        """Opens a grpc.aio channel to target; call it on the event loop that will use the channel.
+
+        gRPC retries the retry_safe methods of service after UNAVAILABLE, as
+        the retry policy says.
+        """
+        options = self.channel_options(service, retry_safe)
         if self.uses_tls:
-            return grpc.aio.secure_channel(target, self.channel_credentials(), options=self.channel_options())
-        return grpc.aio.insecure_channel(target, options=self.channel_options())
+            return grpc.aio.secure_channel(target, self.channel_credentials(), options=options)
+        return grpc.aio.insecure_channel(target, options=options)

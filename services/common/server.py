@@ -71,26 +71,6 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
-class _GenericHandlersOnly:
-    """Takes what a generated add_*_to_server function registers and keeps only the generic handlers.
-
-    grpc.aio (1.85) awaits one pending future per *registered* method on every
-    incoming call (asyncio.wait over all of them): with both services that is
-    about twenty, and their bookkeeping cost more per RPC than our own code.
-    Served through generic handlers, each call waits on one future and the
-    method is found by name.
-    """
-
-    def __init__(self, server: grpc.aio.Server):
-        self._server = server
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        self._server.add_generic_rpc_handlers(handlers)
-
-    def add_registered_method_handlers(self, service_name: str, handlers) -> None:
-        """Dropped on purpose: the generic handler added alongside serves the same methods."""
-
-
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials(
         [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
@@ -119,11 +99,10 @@ async def build_server(
             raise ValueError("token mode needs the identity tokens")
         interceptors.append(TokenAuthInterceptor(tokens))
     server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
-    generic_only = _GenericHandlersOnly(server)
     for service in services:
-        service.add_to_server(service.servicer, generic_only)
+        service.add_to_server(service.servicer, server)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic_only)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = tuple(service.name for service in services)
     reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     if config.mtls:

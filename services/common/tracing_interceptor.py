@@ -5,6 +5,11 @@ The caller's W3C context comes from the call metadata. Only server-fault
 status codes mark the span ERROR (client faults such as INVALID_ARGUMENT
 are the caller's problem, not the server's), and health checks are not
 traced.
+
+Not opentelemetry-instrumentation-grpc's aio_server_interceptor: it runs
+every response-streaming handler with `async for`, and ours are coroutines
+that write with context.write(), so each stream fails with TypeError
+(open-telemetry/opentelemetry-python-contrib#3066, still so in 0.66b2).
 """
 
 from __future__ import annotations

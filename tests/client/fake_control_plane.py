@@ -22,7 +22,8 @@ from kvpush.rendezvous.v1 import transfer_pb2
 class Behaviour:
     """What the fake does; tests set fields before calling."""
 
-    unavailable_failures: int = 0  # ListEngines fails UNAVAILABLE this many times first
+    # method -> how many calls of it fail UNAVAILABLE first (ListEngines and RegisterEngineRank)
+    unavailable_failures: dict[str, int] = dataclasses.field(default_factory=dict)
     transfer_delay_s: float = 0.0  # GetTransfer sleeps this long
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
     metadata: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
@@ -33,6 +34,11 @@ class Behaviour:
         self.calls[method] = self.calls.get(method, 0) + 1
         self.metadata[method] = {key: value for key, value in context.invocation_metadata() if isinstance(value, str)}
         self.peer_common_names.extend(context.auth_context().get("x509_common_name", []))
+
+    async def fail_if_due(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        if self.unavailable_failures.get(method, 0) > 0:
+            self.unavailable_failures[method] -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "restarting")
 
 
 async def abort(context: grpc.aio.ServicerContext, error: errors.KvpushError) -> None:
@@ -45,6 +51,7 @@ class FakeRegistrar(reg_grpc.RegistrarServiceServicer):
 
     async def RegisterEngineRank(self, request, context):
         self.behaviour.record("RegisterEngineRank", context)
+        await self.behaviour.fail_if_due("RegisterEngineRank", context)
         return reg_pb.RegisterEngineRankResponse(lease_id=f"lease-{request.rank.engine_id}-{request.rank.tp_rank}")
 
     async def GetEngine(self, request, context):
@@ -55,9 +62,7 @@ class FakeRegistrar(reg_grpc.RegistrarServiceServicer):
 
     async def ListEngines(self, request, context):
         self.behaviour.record("ListEngines", context)
-        if self.behaviour.unavailable_failures > 0:
-            self.behaviour.unavailable_failures -= 1
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "registrar is restarting")
+        await self.behaviour.fail_if_due("ListEngines", context)
         return reg_pb.ListEnginesResponse(engines=[reg_pb.Engine(engine_id="decode-0")])
 
     async def WatchEngines(self, request, context):

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 import time
@@ -77,22 +78,57 @@ async def test_error_becomes_kvpush_exception_with_reason_and_field(fake, spans)
     assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
 
 
-async def test_unavailable_is_retried_until_success(fake, spans):
+async def test_unavailable_is_retried_by_grpc_until_success(fake, spans):
     behaviour, target = fake
     provider, exporter = spans
-    behaviour.unavailable_failures = 2
+    behaviour.unavailable_failures = {"ListEngines": 2}
     async with RegistrarClient(ClientConfig(target=target, retry=FAST_RETRY), tracer_provider=provider) as registrar:
         response = await registrar.list_engines(reg_pb.ListEnginesRequest())
     assert [engine.engine_id for engine in response.engines] == ["decode-0"]
     assert behaviour.calls["ListEngines"] == 3
-    span = exporter.get_finished_spans()[-1]
-    assert span.attributes["kvpush.rpc.attempts"] == 3
-    assert [event.name for event in span.events] == ["kvpush.rpc.retry", "kvpush.rpc.retry"]
+    # gRPC's retry machinery, not ours, sent the last attempt: it says how many came before.
+    assert behaviour.metadata["ListEngines"]["grpc-previous-rpc-attempts"] == "2"
+    (span,) = [span for span in exporter.get_finished_spans() if span.kind == SpanKind.CLIENT]
+    assert span.attributes["rpc.grpc.status_code"] == 0
+
+
+async def test_a_method_not_retry_safe_is_not_retried(fake):
+    class NoListRetries(RegistrarClient):
+        RETRY_SAFE = RegistrarClient.RETRY_SAFE - {"ListEngines"}
+
+    behaviour, target = fake
+    behaviour.unavailable_failures = {"ListEngines": 1}
+    async with NoListRetries(ClientConfig(target=target, retry=FAST_RETRY)) as registrar:
+        with pytest.raises(errors.Unavailable):
+            await registrar.list_engines(reg_pb.ListEnginesRequest())
+        assert behaviour.calls["ListEngines"] == 1
+        response = await registrar.list_engines(reg_pb.ListEnginesRequest())
+    assert [engine.engine_id for engine in response.engines] == ["decode-0"]
+
+
+async def test_a_request_larger_than_grpcs_default_retry_buffer_is_retried(fake):
+    behaviour, target = fake
+    behaviour.unavailable_failures = {"RegisterEngineRank": 1}
+    request = reg_pb.RegisterEngineRankRequest()
+    request.nixl.agent_metadata = b"x" * (1024 * 1024)  # gRPC buffers 256 KiB for retries unless told more
+    async with RegistrarClient(ClientConfig(target=target, retry=FAST_RETRY)) as registrar:
+        await registrar.register_engine_rank(request)
+    assert behaviour.calls["RegisterEngineRank"] == 2
+
+
+def test_one_attempt_configures_no_retries():
+    service, methods = RegistrarClient.SERVICE, RegistrarClient.RETRY_SAFE
+    options = dict(ClientConfig(retry=RetryPolicy(max_attempts=1)).channel_options(service, methods))
+    assert "grpc.service_config" not in options
+    retrying = dict(ClientConfig(retry=FAST_RETRY).channel_options(service, methods))
+    policy = json.loads(retrying["grpc.service_config"])["methodConfig"][0]
+    assert {name["method"] for name in policy["name"]} == methods
+    assert policy["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
 
 
 async def test_retries_stop_at_max_attempts(fake):
     behaviour, target = fake
-    behaviour.unavailable_failures = 100
+    behaviour.unavailable_failures = {"ListEngines": 100}
     config = ClientConfig(target=target, retry=RetryPolicy(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.01))
     async with RegistrarClient(config) as registrar:
         with pytest.raises(errors.Unavailable) as raised:
@@ -103,7 +139,7 @@ async def test_retries_stop_at_max_attempts(fake):
 
 async def test_retries_never_run_past_the_deadline(fake):
     behaviour, target = fake
-    behaviour.unavailable_failures = 1000
+    behaviour.unavailable_failures = {"ListEngines": 1000}
     config = ClientConfig(target=target, retry=RetryPolicy(max_attempts=1000, initial_backoff_s=0.05, max_backoff_s=0.1))
     async with RegistrarClient(config) as registrar:
         started = time.monotonic()

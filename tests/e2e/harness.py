@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvpush.processes import cpu_seconds, group_members
+from kvpush.processes import cpu_seconds, group_members, thread_ids
 
 SERVED_MODEL_NAME = "tiny"
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -90,16 +90,11 @@ def parse_cpu_list(cpu_list: str) -> set[int]:
 
 def pin_threads(pids: Sequence[int], cpus: set[int]) -> None:
     """Sets the CPU affinity of every thread of `pids` (threads that vanish meanwhile are skipped)."""
-    for pid in pids:
+    for tid in thread_ids(list(pids)):
         try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+            os.sched_setaffinity(tid, cpus)
         except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:
-                pass
+            pass
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 10.0) -> None:
