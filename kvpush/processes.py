@@ -1,6 +1,6 @@
 # SPDX-FileCopyrightText: 2026 The kvpush Authors
 # SPDX-License-Identifier: Apache-2.0
-"""Process groups on Linux: the demo, the tests and the benchmarks stop and pin whole engines by group."""
+"""Processes on Linux, read from /proc: process groups, CPU time, memory and CPU affinity of whole engines."""
 
 from __future__ import annotations
 
@@ -75,3 +75,50 @@ def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
             key = f"{process}/{thread}"
             totals[key] = totals.get(key, 0.0) + _stat_cpu_seconds(f"/proc/{pid}/task/{tid}/stat")
     return totals
+
+
+def parse_cpu_list(cpu_list: str) -> set[int]:
+    """CPU ids of a taskset-style list such as "0", "0-1" or "0,2-3"."""
+    cpus: set[int] = set()
+    for part in cpu_list.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_threads(pids: list[int], cpus: set[int]) -> int:
+    """Sets the CPU affinity of every thread of `pids` (threads that vanish meanwhile are skipped); returns how many had another one."""
+    moved = 0
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                moved += os.sched_getaffinity(tid) != cpus
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass
+    return moved
+
+
+def _proc_bytes(pid: int, file: str, field: str) -> int:
+    """A "<field> <n> kB" line of /proc/<pid>/<file>, in bytes; 0 if the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process in bytes; 0 if gone."""
+    return _proc_bytes(pid, "smaps_rollup", "Pss:")
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process in bytes; 0 if gone."""
+    return _proc_bytes(pid, "status", "VmRSS:")
