@@ -64,7 +64,6 @@ import os
 import random
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -75,28 +74,21 @@ from urllib.parse import urlsplit
 
 from bench.tcp_proxy import TcpProxy
 from kvpush.client import BrokerClient, ClientConfig, RegistrarClient
-from kvpush.processes import group_members
+from kvpush.localstack.completions import Completion, completion_body
+from kvpush.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
+from kvpush.localstack.engines import ServerHandle, reference_run, start_vllm_server
+from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks, scrape_metrics
+from kvpush.localstack.process import free_port, interrupt_on_signals
+from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.localstack.router import RouterHandle, start_router
+from kvpush.localstack.transfers import new_transfer_id, transfer_params
+from kvpush.processes import pss_bytes, rss_bytes
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import sample_engines as sample
+from kvpush.sse import DONE, sse_payloads
 from kvpush.tinymodel import build_tiny_model, default_model_dir
-from tests.e2e.harness import (
-    Completion,
-    ServerHandle,
-    completion_body,
-    free_kv_blocks,
-    free_port,
-    log_tail,
-    num_kv_blocks,
-    prompt_token_ids,
-    pss_bytes,
-    reference_run,
-    rss_bytes,
-    scrape_metrics,
-    start_vllm_server,
-)
-from tests.e2e.kvpush_stack import ControlPlaneHandle, new_transfer_id, start_control_plane, transfer_params
 
 PREFILL_ID, DECODE_ID = "prefill-0", "decode-0"
 SOAK_PREFILL_ID, SOAK_DECODE_ID = "chaos-soak-prefill", "chaos-soak-decode"
@@ -111,7 +103,6 @@ HOLD_MARGIN_S = 1.5
 # A request is hung when it has no answer this long past its deadline; a failure must be answered by deadline + FAILURE_SLACK_S.
 HANG_SLACK_S = 5.0
 FAILURE_SLACK_S = 1.0
-ROUTER_START_TIMEOUT_S = 30.0
 ENGINE_START_TIMEOUT_S = 240.0
 # After the control plane is healthy again, the longest a fault may keep the router from serving.
 RECOVER_TIMEOUT_S = 180.0
@@ -256,15 +247,11 @@ def send(url: str, path: str, body: dict, *, hang_after_s: float, disconnect_aft
                 reply.raw = data[:300].decode(errors="replace")
             reply.done = True
         elif body.get("stream"):
-            for raw in response:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+            # An event that is not JSON raises MalformedEvent: recorded as the reply's exception.
+            for chunk in sse_payloads(response):
+                if chunk == DONE:
                     reply.done = True
                     break
-                chunk = json.loads(payload)
                 if "error" in chunk:
                     reply.error = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
                     continue
@@ -374,50 +361,6 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
-# ---- processes ---------------------------------------------------------------------------------
-
-
-class GroupProcess:
-    """A child in its own process group (id = its PID), with a log; stop() ends the whole group, bounded."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
-        self.name = name
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            log.write(("$ " + " ".join(argv) + "\n").encode())
-            log.flush()
-            self.popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **(env or {})}, start_new_session=True)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        for signum, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            if not group_members(self.pid) and not self.alive():
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signum)
-            deadline = time.monotonic() + wait_s
-            while (group_members(self.pid) or self.alive()) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5)
-
-
-def kill_group(pid: int, timeout: float = 15.0) -> None:
-    """SIGKILL to a whole process group; returns once its members are gone (bounded)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout
-    while group_members(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-
 class Stack:
     """Control plane, P's proxy, P and D engines and the router; every one can be killed and restarted."""
 
@@ -432,8 +375,7 @@ class Stack:
         self.proxy: TcpProxy | None = None
         self.engines: dict[str, ServerHandle] = {}
         self.ports: dict[str, int] = {}
-        self.router: GroupProcess | None = None
-        self.router_url = ""
+        self.router: RouterHandle | None = None
         self.prompts = [prompt_token_ids(n, seed=n) for n in PROMPT_LENGTHS]
         self.reference: list[Completion] = []
         self.kv_total: dict[str, int] = {}
@@ -482,42 +424,25 @@ class Stack:
     def engine_config(self, role: str) -> dict:
         engine_id, _ = ROLES[role]
         # Only P reaches the control plane through the proxy; D and the router talk to it directly.
-        control_plane = self.proxy.address if role == "prefill" else self.cp.address
-        return {
-            "kv_connector": "KvpushConnector",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": {
-                "control_plane": control_plane,
-                "token_file": str(self.cp.token_file_of(engine_id)),
-                "hold_margin_s": HOLD_MARGIN_S,
-                "transfer_timeout_s": self.settings.deadline_s,
-            },
-        }
+        return kvpush_transfer_config(role, engine_id, self.cp, control_plane_address=self.proxy.address if role == "prefill" else None,
+                                      hold_margin_s=HOLD_MARGIN_S, transfer_timeout_s=self.settings.deadline_s)
 
     def start_engine(self, role: str) -> ServerHandle:
         _, cpu = ROLES[role]
-        handle = start_vllm_server(self.model_dir, port=self.ports.get(role), kv_transfer_config=self.engine_config(role), cpu_list=cpu,
+        handle = start_vllm_server(self.model_dir, name=role, port=self.ports.get(role), kv_transfer_config=self.engine_config(role), cpu_list=cpu,
                                    log_path=self.run_dir / f"{role}.log", start_timeout=ENGINE_START_TIMEOUT_S)
         self.engines[role] = handle
         self.ports[role] = handle.port
         return handle
 
     def start_router(self) -> None:
-        port_file = self.run_dir / "router.port"
-        port_file.unlink(missing_ok=True)
-        argv = [
-            sys.executable, "-m", "kvpush.cli", "router", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-            "--prefill", f"{self.engines['prefill'].url}={PREFILL_ID}", "--decode", f"{self.engines['decode'].url}={DECODE_ID}",
-            "--control-plane", self.cp.address, "--token-file", str(self.cp.token_file), "--transfer-timeout-ms", str(self.settings.timeout_ms),
-        ]
-        self.router = GroupProcess("router", argv, self.run_dir / "router.log")
-        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if not self.router.alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"router did not start:\n{log_tail(self.router.log_path)}")
-            time.sleep(0.05)
-        self.router_url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        self.router = start_router(self.run_dir, prefill=[f"{self.engines['prefill'].url}={PREFILL_ID}"],
+                                   decode=[f"{self.engines['decode'].url}={DECODE_ID}"], control_plane=self.cp,
+                                   extra_args=["--transfer-timeout-ms", str(self.settings.timeout_ms)])
+
+    @property
+    def router_url(self) -> str:
+        return self.router.url
 
     def close(self) -> None:
         """Stops everything this stack started (each step bounded; a failure of one does not skip the others)."""
@@ -539,14 +464,10 @@ class Stack:
     # ---- faults -------------------------------------------------------------------------------
 
     def kill_engine(self, role: str) -> None:
-        handle = self.engines[role]
-        kill_group(handle.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            handle.process.wait(5)
+        self.engines[role].kill()
 
     def signal_engine(self, role: str, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.engines[role].pid, signum)
+        self.engines[role].process.signal(signum)
 
     def kill_control_plane(self) -> None:
         self.cp.kill()
@@ -586,8 +507,7 @@ class Stack:
 
 
 def _resume_and_stop(handle: ServerHandle) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(handle.pid, signal.SIGCONT)  # a stopped group would ignore SIGTERM until the kill
+    handle.process.signal(signal.SIGCONT)  # a stopped group would ignore SIGTERM until the kill
     handle.stop(timeout=15)
 
 
@@ -1275,19 +1195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "post_s": args.post, "cut_s": args.cut, "stop_s": args.stop, "soak_attempts": args.soak, "run_dir": args.run_dir, "model_dir": args.model_dir,
     }
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-
-    def interrupted(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        result = run(settings)
+        with interrupt_on_signals():
+            result = run(settings)
     except KeyboardInterrupt:
         print("chaos: interrupted (every process it started was stopped)", file=sys.stderr)
         return 130
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     print()
     print(format_report(result))
     if args.json == "-":

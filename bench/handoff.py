@@ -24,10 +24,11 @@ import threading
 import time
 from pathlib import Path
 
+from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.localstack.stack import Stack, StackSpec
+from kvpush.localstack.transfers import dispatch
 from kvpush.telemetry import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
-from tests.e2e.harness import prompt_token_ids, start_vllm_server
-from tests.e2e.kvpush_stack import dispatch, kvpush_transfer_config, start_control_plane
 
 TARGET_P50_MS = 1.0
 NEEDED_SPANS = ("p.prefill", "p.descriptor_prep", "p.write_post")
@@ -50,17 +51,12 @@ def spans_by_transfer(traces: Path) -> dict[str, dict[str, dict]]:
 
 def run_mode(work: Path, model_dir: Path, early_orders: bool, args) -> dict:
     traces = work / "traces.jsonl"
-    env = {"KVPUSH_TRACES_FILE": str(traces)}
-    control_plane = start_control_plane(work / "control-plane", env=env)
-    servers = []
-    try:
-        extra = {"early_orders": early_orders}
-        print(f"[{'early' if early_orders else 'broker'}] starting P and D ...", flush=True)
-        servers.append(start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config("prefill", "prefill-0", control_plane, **extra),
-                                         env=env, cpu_list="0", log_path=work / "prefill.log"))
-        servers.append(start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config("decode", "decode-0", control_plane),
-                                         env=env, cpu_list="1", log_path=work / "decode.log"))
-        prefill, decode = servers
+    spec = StackSpec(mode="kvpush", prefill_cpus="0", decode_cpus="1", traces_file=traces, prefill_extra={"early_orders": early_orders},
+                     router=False)
+    print(f"[{'early' if early_orders else 'broker'}] starting P and D ...", flush=True)
+    with Stack(spec, model_dir, work) as stack:
+        stack.start()
+        prefill, decode = stack.prefill, stack.decode
         for i in range(3):  # warm-up: first requests pay one-time costs
             dispatch(prefill.url, "prefill-0", decode.url, "decode-0", prompt_token_ids(args.prompt_tokens, seed=10_000 + i), 2)
         measured: list[str] = []
@@ -90,10 +86,6 @@ def run_mode(work: Path, model_dir: Path, early_orders: bool, args) -> dict:
             if all(all(n in by_transfer.get(tid, {}) for n in NEEDED_SPANS) for tid in measured) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-    finally:
-        for server in servers:
-            server.stop()
-        control_plane.stop()
     handoff_ms, wake_ms, prep_ms, post_ms = [], [], [], []
     for tid in measured:
         named = by_transfer.get(tid, {})

@@ -3,7 +3,7 @@
 
 Reproduces the study in /work/shared/seed (TTFT and TPOT against QPS, one
 panel per input length) with three P/D stacks of the same tiny model and the
-same engine flags (tests/e2e/harness.py; prefix caching off on P and D),
+same engine flags (kvpush.localstack.engines; prefix caching off on P and D),
 every P pinned to CPU 0 and every D to CPU 1:
 
 * kvpush: `KvpushConnector` on both engines, the kvpush control plane and
@@ -28,7 +28,7 @@ each burn a core) only one mode's stack runs: the modes alternate per pass
 over the points instead, one stack start per mode and pass.
 
 Every run is checked: a sample of its requests must give the greedy token
-ids of a single ordinary engine (`harness.reference_run`, computed up front)
+ids of a single ordinary engine (`kvpush.localstack.engines.reference_run`, computed up front)
 with logprobs within 1e-3, and the KV must have moved: kvpush, the broker's
 `bytes_written` per transfer equals the prompt's whole 128-token blocks ×
 2,048 B/token (2 layers × K and V × 2 KV heads × 64 × 4 B); upstream, the
@@ -52,51 +52,33 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import fcntl
 import json
 import math
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bench.sweep_report import report, write_json
-from bench.upstream import DECODE_ENGINE_ID as UPSTREAM_DECODE_ID
-from bench.upstream import PREFILL_ENGINE_ID as UPSTREAM_PREFILL_ID
-from bench.upstream import start_upstream_pair
-from kvpush.processes import cpu_seconds, thread_cpu_seconds, thread_ids
+from bench.upstream import poll_delay_env
+from kvpush.localstack.completions import Completion, completion_body, max_logprob_diff
+from kvpush.localstack.control_plane import ControlPlaneHandle
+from kvpush.localstack.engines import ServerHandle, reference_run
+from kvpush.localstack.metrics import scrape_metrics
+from kvpush.localstack.process import interrupt_on_signals
+from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.localstack.stack import MODES, Stack, StackSpec
+from kvpush.processes import cpu_seconds, thread_cpu_seconds
 from kvpush.report.breakdown import breakdown, percentile
+from kvpush.sse import DONE, sse_payloads_async
 from kvpush.telemetry import read_spans
-from tests.e2e.harness import (
-    Completion,
-    ServerHandle,
-    completion_body,
-    log_tail,
-    max_logprob_diff,
-    parse_cpu_list,
-    pin_threads,
-    prompt_token_ids,
-    reference_run,
-    scrape_metrics,
-    start_vllm_server,
-    stop_process,
-    wait_for_port_file,
-)
-from tests.e2e.kvpush_stack import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
 
-MODES = ("kvpush", "upstream-push", "pull")
-ROUTER_MODES = {"kvpush": "push", "upstream-push": "upstream-push", "pull": "pull"}
-KVPUSH_PREFILL_ID, KVPUSH_DECODE_ID = "prefill-0", "decode-0"
 PREFILL_CPUS, DECODE_CPUS = "0", "1"
 NIXL_POLL_DELAY_US = 1000
 
@@ -120,7 +102,6 @@ ENGINE_HISTOGRAMS = {
     "ttft_s": "vllm:time_to_first_token_seconds",
 }
 WARMUP_PREFIX = "warmup-"
-ROUTER_START_TIMEOUT_S = 30.0
 METRICS_SETTLE_TIMEOUT_S = 5.0
 SPANS_SETTLE_TIMEOUT_S = 10.0
 
@@ -189,36 +170,6 @@ def build_grid(input_lens: Sequence[int], qps_list: Sequence[float], output_lens
 # ---- processes ------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class RouterHandle:
-    """A `kvpush router` subprocess (leader of its own process group)."""
-
-    process: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        stop_process(self.process, timeout)
-
-
-def start_router(name: str, router_mode: str, prefill: str, decode: str, work: Path, env: dict[str, str], extra: Sequence[str]) -> RouterHandle:
-    """Starts `kvpush router` on a free port and waits (bounded) for its port file."""
-    port_file = work / f"router-{name}.port"
-    port_file.unlink(missing_ok=True)
-    log_path = work / f"router-{name}.log"
-    cmd = [sys.executable, "-m", "kvpush.cli", "--log-level", "WARNING", "router", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-           "--mode", router_mode, "--prefill", prefill, "--decode", decode, *extra]
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
-                                   start_new_session=True)
-    port = wait_for_port_file(process, port_file, ROUTER_START_TIMEOUT_S, f"router {name}", log_path)
-    return RouterHandle(process, port, log_path)
-
-
 class SpanTail:
     """Reads the spans appended to a shared OTLP/JSON-lines file since a byte offset."""
 
@@ -245,49 +196,38 @@ class SpanTail:
 
 @dataclasses.dataclass
 class ModeStack:
-    """One mode's running processes: P, D, its router and (kvpush) the control plane."""
+    """One mode's running stack (P, D, its router and, for kvpush, the control plane) and the spans it writes."""
 
     mode: str
-    prefill: ServerHandle
-    decode: ServerHandle
-    router: RouterHandle
+    stack: Stack
     spans: SpanTail
-    control_plane: ControlPlaneHandle | None = None
     failure: str = ""  # set once the stack is found dead; its remaining runs are skipped
 
-    def dead_parts(self) -> list[str]:
-        parts = {"P": self.prefill.process, "D": self.decode.process, "router": self.router.process}
-        if self.control_plane is not None:
-            parts["control plane"] = self.control_plane.process
-        return [f"{name} (exit {p.returncode})" for name, p in parts.items() if p.poll() is not None]
+    @property
+    def prefill(self) -> ServerHandle:
+        return self.stack.prefill
+
+    @property
+    def decode(self) -> ServerHandle:
+        return self.stack.decode
+
+    @property
+    def router_url(self) -> str:
+        return self.stack.router.url
+
+    @property
+    def control_plane(self) -> ControlPlaneHandle | None:
+        return self.stack.control_plane
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used so far by each part (all processes of each engine's group)."""
-        used = {"P": self.prefill.cpu_seconds(), "D": self.decode.cpu_seconds(), "router": cpu_seconds(self.router.process.pid)}
+        used = {"P": self.prefill.cpu_seconds(), "D": self.decode.cpu_seconds(), "router": cpu_seconds(self.stack.router.process.pid)}
         if self.control_plane is not None:
             used["control_plane"] = cpu_seconds(self.control_plane.process.pid)
         return used
 
-    def repin(self) -> int:
-        """Pins every thread of P to PREFILL_CPUS and of D to DECODE_CPUS again; returns how many threads had moved."""
-        moved = 0
-        for server, cpus in ((self.prefill, parse_cpu_list(PREFILL_CPUS)), (self.decode, parse_cpu_list(DECODE_CPUS))):
-            pids = server.pids()
-            for tid in thread_ids(pids):
-                with contextlib.suppress(OSError):
-                    moved += os.sched_getaffinity(tid) != cpus
-            pin_threads(pids, cpus)
-        return moved
-
     def stop(self) -> None:
-        for part in (self.router, self.decode, self.prefill, self.control_plane):
-            if part is not None:
-                with contextlib.suppress(Exception):
-                    part.stop()
-
-
-def tracing_env(traces: Path) -> dict[str, str]:
-    return {"OTEL_TRACES_EXPORTER": "kvpush_file", "KVPUSH_TRACES_FILE": str(traces)}
+        self.stack.stop()
 
 
 def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, kvpush_engine_tracing: bool,
@@ -298,54 +238,16 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
     ids); kvpush's engines and control plane too unless
     `kvpush_engine_tracing` is off (to measure what tracing costs them).
     `kvpush_extra` goes into both kvpush engines' kv_connector_extra_config.
+    Upstream engines get NIXL's poll delay unless `nixl_as_shipped`.
     """
-    work.mkdir(parents=True, exist_ok=True)
     traces = work / "traces.jsonl"
-    router_env = tracing_env(traces)
-    if mode == "kvpush":
-        env = router_env if kvpush_engine_tracing else {}
+    spec = StackSpec(
+        mode=mode, prefill_cpus=PREFILL_CPUS, decode_cpus=DECODE_CPUS, traces_file=traces, trace_engines=kvpush_engine_tracing,
+        engine_env={} if mode == "kvpush" else poll_delay_env(None if nixl_as_shipped else NIXL_POLL_DELAY_US), kvpush_extra=kvpush_extra,
         # Settled transfers stay queryable (GetTransfer) for the whole sweep; retention only bounds memory.
-        control_plane = start_control_plane(work / "control-plane", env=env, extra_args=["--retention", "7200"])
-        try:
-            def start(role: str, engine_id: str, cpus: str) -> ServerHandle:
-                return start_vllm_server(model_dir, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane, **kvpush_extra),
-                                         env=env, cpu_list=cpus, log_path=work / f"{role}.log")
-
-            with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(start, "prefill", KVPUSH_PREFILL_ID, PREFILL_CPUS), pool.submit(start, "decode", KVPUSH_DECODE_ID, DECODE_CPUS)]
-                started, errors = [], []
-                for future in futures:
-                    try:
-                        started.append(future.result())
-                    except Exception as exc:  # stop whichever one started before re-raising
-                        errors.append(exc)
-            if errors:
-                for server in started:
-                    server.stop()
-                raise errors[0]
-            prefill, decode = started
-            extra = ["--control-plane", control_plane.address, "--token-file", str(control_plane.token_file)]
-            try:
-                router = start_router(mode, "push", f"{prefill.url}={KVPUSH_PREFILL_ID}", f"{decode.url}={KVPUSH_DECODE_ID}", work, router_env, extra)
-            except Exception:
-                prefill.stop()
-                decode.stop()
-                raise
-        except Exception:
-            control_plane.stop()
-            raise
-        return ModeStack(mode, prefill, decode, router, SpanTail(traces), control_plane)
-    upstream_mode = "push" if mode == "upstream-push" else "pull"
-    pair = start_upstream_pair(model_dir, upstream_mode, poll_delay_us=None if nixl_as_shipped else NIXL_POLL_DELAY_US,
-                               prefill_cpus=PREFILL_CPUS, decode_cpus=DECODE_CPUS, log_dir=work)
-    extra = ["--prefill-side-channel-port", str(pair.prefill_side_channel_port)] if mode == "upstream-push" else []
-    try:
-        router = start_router(mode, ROUTER_MODES[mode], f"{pair.prefill.url}={UPSTREAM_PREFILL_ID}", f"{pair.decode.url}={UPSTREAM_DECODE_ID}",
-                              work, router_env, extra)
-    except Exception:
-        pair.stop()
-        raise
-    return ModeStack(mode, pair.prefill, pair.decode, router, SpanTail(traces))
+        control_plane_args=("--retention", "7200"), router_log_level="WARNING",
+    )
+    return ModeStack(mode, Stack(spec, model_dir, work).start(), SpanTail(traces))
 
 
 # ---- the load ------------------------------------------------------------------------------------------------
@@ -400,15 +302,11 @@ async def stream_one(session: Any, url: str, body: dict[str, Any], record: Reque
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+            # An event that is not JSON raises MalformedEvent (a ValueError): the request's error.
+            async for chunk in sse_payloads_async(response.content):
+                if chunk == DONE:
                     break
                 now = time.monotonic()
-                chunk = json.loads(payload)
                 if "error" in chunk:
                     record.error = f"stream error: {str(chunk['error'])[:300]}"
                     return
@@ -652,7 +550,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     """Runs one mode at one point and returns its full result (the JSON document)."""
     point, mode = workload.point, stack.mode
     prefix = point.run_name(mode) + "-"
-    moved_threads = stack.repin()
+    moved_threads = stack.stack.repin()
     before = {"P": histogram_totals(stack.prefill.url), "D": histogram_totals(stack.decode.url)}
     cpu_before = {s.mode: s.cpu_seconds() for s in stacks}
     threads_before = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
@@ -661,7 +559,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     def done() -> None:
         progress.update(1)
 
-    records, wall = asyncio.run(run_load(stack.router.url, workload, mode, args.request_timeout, done))
+    records, wall = asyncio.run(run_load(stack.router_url, workload, mode, args.request_timeout, done))
     cpu_after = {s.mode: s.cpu_seconds() for s in stacks}
     threads_after = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
     # The engines publish their histograms with scheduler stats; the NIXL counts may trail the last response.
@@ -809,11 +707,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     failed_start: dict[str, str] = {}
     completed_runs: list[dict[str, Any]] = []
 
-    def interrupted(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, interrupted)
-
     def bring_up(mode: str) -> None:
         t0 = time.monotonic()
         try:
@@ -822,8 +715,8 @@ def run_sweep(args: argparse.Namespace) -> int:
             failed_start[mode] = f"stack did not start: {exc}"[:2000]
             tqdm.write(f"{mode}: {failed_start[mode]}")
             return
-        errors = asyncio.run(warm_up(stack.router.url, args.input_lens, args.request_timeout))
-        stack.repin()
+        errors = asyncio.run(warm_up(stack.router_url, args.input_lens, args.request_timeout))
+        stack.stack.repin()
         stacks[mode] = stack
         idle = {m: s.prefill.idle_cores(2) + s.decode.idle_cores(2) for m, s in stacks.items()} if args.measure_idle else {}
         tqdm.write(f"{mode}: up in {time.monotonic() - t0:.0f} s; warm-up errors: {errors[:2] or 'none'}"
@@ -833,9 +726,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         stack = stacks.get(mode)
         reason = failed_start.get(mode) or (stack.failure if stack else "stack not running")
         if stack is not None and not reason:
-            dead = stack.dead_parts()
+            dead = stack.stack.dead_parts()
             if dead:
-                stack.failure = reason = f"stack died: {', '.join(dead)}; P log tail:\n{log_tail(stack.prefill.log_path, 15)}\nD log tail:\n{log_tail(stack.decode.log_path, 15)}"
+                stack.failure = reason = f"stack died: {', '.join(dead)}; P log tail:\n{stack.prefill.process.tail(15)}\nD log tail:\n{stack.decode.process.tail(15)}"
         if reason:
             write_json(results_dir / f"{point.run_name(mode)}.json", skipped_result(mode, point, reason, args))
             progress.update(len(workloads[point].prompts))
@@ -848,7 +741,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         time.sleep(args.settle)
 
     try:
-        with tqdm(total=total_requests, unit="req", dynamic_ncols=True, mininterval=1.0) as progress:
+        with interrupt_on_signals(), tqdm(total=total_requests, unit="req", dynamic_ncols=True, mininterval=1.0) as progress:
             if not args.one_stack_at_a_time:
                 for mode in args.modes:
                     bring_up(mode)
@@ -871,7 +764,6 @@ def run_sweep(args: argparse.Namespace) -> int:
     finally:
         for stack in stacks.values():
             stack.stop()
-        signal.signal(signal.SIGTERM, previous)
     print(f"sweep wall time {(time.monotonic() - started) / 60:.1f} min", flush=True)
     return report(results_dir, args.modes, args.markdown)
 

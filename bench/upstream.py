@@ -1,20 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """Upstream vLLM P/D baselines on this machine: NIXL pull and push, with minimal routers.
 
-* pull: `NixlConnector` (P `kv_producer`, D `kv_consumer`). The router sends
-  P a non-streaming `max_tokens=1` leg with `do_remote_decode`, then streams
-  D with the `kv_transfer_params` P returned (D READs the KV).
-* push: `NixlPushConnector`. The router sends both legs at once with the same
-  `X-Request-Id` (0.32 matches P and D requests on it); D's
-  `kv_transfer_params` carry P's coordinates (engine id, side-channel
-  host/port, TP/PP size) so D registers its blocks while P computes, and P
-  WRITEs into them.
+The engines are a `kvpush.localstack` stack of mode "pull" or
+"upstream-push" without a router (see `kvpush.localstack.upstream`):
 
-Both engines get `VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1` and distinct
-`VLLM_NIXL_SIDE_CHANNEL_PORT`s. `poll_delay_us` puts
-`bench/nixl_poll_delay` on the engines' PYTHONPATH, so NIXL's UCX progress
-thread sleeps up to that long in `poll()` instead of spinning (the "spin
-removed" variant); `None` runs upstream as shipped.
+* pull: the router sends P a non-streaming `max_tokens=1` leg with
+  `do_remote_decode`, then streams D with the `kv_transfer_params` P
+  returned (D READs the KV).
+* push: the router sends both legs at once with the same `X-Request-Id`
+  (0.32 matches P and D requests on it); D's `kv_transfer_params` carry P's
+  coordinates so D registers its blocks while P computes, and P WRITEs into
+  them.
+
+`poll_delay_us` puts `bench/nixl_poll_delay` on the engines' PYTHONPATH, so
+NIXL's UCX progress thread sleeps up to that long in `poll()` instead of
+spinning (the "spin removed" variant); `None` runs upstream as shipped.
 
 `python -m bench.upstream` (from the repository root) checks both modes
 against a single engine and prints TTFTs.
@@ -26,125 +26,41 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpush.localstack.completions import Completion, completions, max_logprob_diff, max_logprob_shift, stream_completions
+from kvpush.localstack.engines import reference_run
+from kvpush.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.localstack.stack import Stack, StackSpec
+from kvpush.localstack.upstream import PREFILL_ENGINE_ID, SIDE_CHANNEL_HOST
 from kvpush.services.router.core import PULL_PREFILL_PARAMS
-from tests.e2e.harness import (
-    Completion,
-    ServerHandle,
-    completions,
-    control_prompt,
-    free_port,
-    max_logprob_diff,
-    max_logprob_shift,
-    prompt_token_ids,
-    reference_run,
-    start_vllm_server,
-    stream_completions,
-)
 
 POLL_DELAY_DIR = Path(__file__).resolve().parent / "nixl_poll_delay"
-CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
-SIDE_CHANNEL_HOST = "127.0.0.1"
-PREFILL_ENGINE_ID = "upstream-prefill"
-DECODE_ENGINE_ID = "upstream-decode"
-
-@dataclass
-class UpstreamPair:
-    """A running upstream P and D pair and what a router needs to address P."""
-
-    mode: str
-    prefill: ServerHandle
-    decode: ServerHandle
-    prefill_side_channel_port: int
-    prefill_engine_id: str = PREFILL_ENGINE_ID
-    prefill_tp_size: int = 1
-
-    def stop(self) -> None:
-        """Stops both servers."""
-        for server in (self.decode, self.prefill):
-            server.stop()
-
-    def __enter__(self) -> UpstreamPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+# This module's names of the upstream modes -> the local stack's.
+STACK_MODES = {"pull": "pull", "push": "upstream-push"}
 
 
-def kv_transfer_config(mode: str, role: str, engine_id: str) -> dict:
-    """`--kv-transfer-config` for an upstream engine; `role` is "prefill" or "decode"."""
+def poll_delay_env(poll_delay_us: int | None) -> dict[str, str]:
+    """Engine environment that gives NIXL's progress thread a poll delay ({} for upstream as shipped)."""
+    if poll_delay_us is None:
+        return {}
     return {
-        "kv_connector": CONNECTORS[mode],
-        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-        "kv_buffer_device": "cpu",
-        "engine_id": engine_id,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(POLL_DELAY_DIR), os.environ.get("PYTHONPATH")) if p),
+        "KVPUSH_NIXL_PTHR_DELAY_US": str(poll_delay_us),
     }
 
 
-def engine_env(side_channel_port: int, poll_delay_us: int | None) -> dict[str, str]:
-    """Environment of one upstream engine (side channel; optionally the poll-delay patch)."""
-    env = {
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": SIDE_CHANNEL_HOST,
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        # Load no vLLM general plugins (in particular not kvpush's own connector plugin).
-        "VLLM_PLUGINS": "",
-    }
-    if poll_delay_us is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(POLL_DELAY_DIR), os.environ.get("PYTHONPATH")) if p)
-        env["KVPUSH_NIXL_PTHR_DELAY_US"] = str(poll_delay_us)
-    return env
-
-
-def start_upstream_pair(
-    model_dir: Path,
-    mode: str,
-    *,
-    poll_delay_us: int | None = 1000,
-    prefill_cpus: str | None = None,
-    decode_cpus: str | None = None,
-    log_dir: Path | None = None,
-    env: Mapping[str, str] | None = None,
-    **server_kwargs,
-) -> UpstreamPair:
-    """Starts P and D (concurrently) with the upstream connector of `mode` ("pull" or "push").
-
-    `prefill_cpus`/`decode_cpus` pin the engines with taskset; extra keyword
-    arguments go to `start_vllm_server` for both engines.
-    """
-    ports = {role: free_port() for role in ("prefill", "decode")}
-    engine_ids = {"prefill": PREFILL_ENGINE_ID, "decode": DECODE_ENGINE_ID}
-    cpus = {"prefill": prefill_cpus, "decode": decode_cpus}
-
-    def start(role: str) -> ServerHandle:
-        return start_vllm_server(
-            model_dir,
-            kv_transfer_config=kv_transfer_config(mode, role, engine_ids[role]),
-            env={**engine_env(ports[role], poll_delay_us), **(env or {})},
-            cpu_list=cpus[role],
-            log_path=None if log_dir is None else Path(log_dir) / f"upstream-{mode}-{role}.log",
-            **server_kwargs,
-        )
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {role: pool.submit(start, role) for role in ports}
-        started, errors = {}, []
-        for role, future in futures.items():
-            try:
-                started[role] = future.result()
-            except Exception as exc:  # stop whichever one did start before re-raising
-                errors.append(exc)
-    if errors:
-        for server in started.values():
-            server.stop()
-        raise errors[0]
-    return UpstreamPair(mode=mode, prefill=started["prefill"], decode=started["decode"],
-                        prefill_side_channel_port=ports["prefill"])
+def upstream_spec(mode: str, *, poll_delay_us: int | None = 1000, prefill_cpus: str | None = None, decode_cpus: str | None = None,
+                  router: bool = False, **spec_fields) -> StackSpec:
+    """The stack of one upstream mode ("pull" or "push"), by default without a router (this module's routers send the legs)."""
+    return StackSpec(mode=STACK_MODES[mode], prefill_cpus=prefill_cpus, decode_cpus=decode_cpus, engine_env=poll_delay_env(poll_delay_us),
+                     router=router, **spec_fields)
 
 
 @dataclass
@@ -161,34 +77,34 @@ class Routed:
         return self.decode.ttft_s if self.decode.ttft_s is not None else float("nan")
 
 
-def pull_route(pair: UpstreamPair, prompt: str | Sequence[int], max_tokens: int) -> Routed:
+def pull_route(stack: Stack, prompt: str | Sequence[int], max_tokens: int) -> Routed:
     """Upstream pull router: P leg (`max_tokens=1`), then D streams with P's `kv_transfer_params`."""
     t0 = time.monotonic()
     headers = {"X-Request-Id": uuid.uuid4().hex}
-    prefill = completions(pair.prefill.url, prompt, 1, kv_transfer_params=PULL_PREFILL_PARAMS, headers=headers)
+    prefill = completions(stack.prefill.url, prompt, 1, kv_transfer_params=PULL_PREFILL_PARAMS, headers=headers)
     prefill_leg_s = time.monotonic() - t0
     if not prefill.kv_transfer_params:
         raise RuntimeError("P returned no kv_transfer_params: is it running NixlConnector as kv_producer?")
-    decode = stream_completions(pair.decode.url, prompt, max_tokens, kv_transfer_params=prefill.kv_transfer_params,
+    decode = stream_completions(stack.decode.url, prompt, max_tokens, kv_transfer_params=prefill.kv_transfer_params,
                                 headers=headers, t0=t0)
     return Routed(decode=decode, prefill=prefill, prefill_leg_s=prefill_leg_s)
 
 
-def push_decode_params(pair: UpstreamPair, request_id: str) -> dict:
-    """D leg `kv_transfer_params` of the upstream push router (P's coordinates)."""
+def push_decode_params(stack: Stack, request_id: str) -> dict:
+    """D leg `kv_transfer_params` of the upstream push router (P's coordinates; P runs with TP 1)."""
     return {
         "do_remote_decode": False,
         "do_remote_prefill": True,
-        "remote_engine_id": pair.prefill_engine_id,
+        "remote_engine_id": PREFILL_ENGINE_ID,
         "remote_host": SIDE_CHANNEL_HOST,
-        "remote_port": pair.prefill_side_channel_port,
-        "tp_size": pair.prefill_tp_size,
+        "remote_port": stack.side_channel_ports[PREFILL_ENGINE_ID],
+        "tp_size": 1,
         "pp_size": 1,
         "remote_request_id": request_id,
     }
 
 
-def push_route(pair: UpstreamPair, prompt: str | Sequence[int], max_tokens: int,
+def push_route(stack: Stack, prompt: str | Sequence[int], max_tokens: int,
                executor: ThreadPoolExecutor) -> Routed:
     """Upstream push router: both legs at once with one `X-Request-Id`; D streams back.
 
@@ -200,21 +116,21 @@ def push_route(pair: UpstreamPair, prompt: str | Sequence[int], max_tokens: int,
     headers = {"X-Request-Id": request_id}
 
     def prefill_leg() -> tuple[Completion, float]:
-        out = completions(pair.prefill.url, prompt, 1, kv_transfer_params=PULL_PREFILL_PARAMS, headers=headers)
+        out = completions(stack.prefill.url, prompt, 1, kv_transfer_params=PULL_PREFILL_PARAMS, headers=headers)
         return out, time.monotonic() - t0
 
     future = executor.submit(prefill_leg)
-    decode = stream_completions(pair.decode.url, prompt, max_tokens,
-                                kv_transfer_params=push_decode_params(pair, request_id), headers=headers, t0=t0)
+    decode = stream_completions(stack.decode.url, prompt, max_tokens,
+                                kv_transfer_params=push_decode_params(stack, request_id), headers=headers, t0=t0)
     prefill, prefill_leg_s = future.result()
     return Routed(decode=decode, prefill=prefill, prefill_leg_s=prefill_leg_s)
 
 
-def route(pair: UpstreamPair, prompt: str | Sequence[int], max_tokens: int, executor: ThreadPoolExecutor) -> Routed:
-    """Routes one request with the router matching the pair's mode."""
-    if pair.mode == "pull":
-        return pull_route(pair, prompt, max_tokens)
-    return push_route(pair, prompt, max_tokens, executor)
+def route(stack: Stack, prompt: str | Sequence[int], max_tokens: int, executor: ThreadPoolExecutor) -> Routed:
+    """Routes one request with the router matching the stack's mode."""
+    if stack.spec.mode == "pull":
+        return pull_route(stack, prompt, max_tokens)
+    return push_route(stack, prompt, max_tokens, executor)
 
 
 def check_against_reference(model_dir: Path, modes: Sequence[str], *, prompt_lens: Sequence[int] = (256, 1024),
@@ -223,31 +139,31 @@ def check_against_reference(model_dir: Path, modes: Sequence[str], *, prompt_len
                             log_dir: Path | None = None, atol: float = 1e-3) -> bool:
     """Routes fixed prompts through each mode and compares with a single engine; prints TTFTs.
 
-    Requests are sent one at a time, after one warm-up request per pair.
+    Requests are sent one at a time, after one warm-up request per stack.
 
     Returns True when every routed output has the reference token ids and
     logprobs within `atol`.
     """
     prompts = [prompt_token_ids(n, seed=n) for n in prompt_lens]
     prompts += [control_prompt(prompts[0])]
-    reference = reference_run(model_dir, prompts, max_tokens,
-                              log_path=None if log_dir is None else Path(log_dir) / "reference.log")
+    reference = reference_run(model_dir, prompts, max_tokens, log_path=None if log_dir is None else Path(log_dir) / "reference.log")
     print(f"control prompt moves logprobs by {max_logprob_shift(reference[0], reference[-1]):.3f}")
     ok = True
+    work = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="kvpush-upstream-"))
     for mode in modes:
-        with (start_upstream_pair(model_dir, mode, poll_delay_us=poll_delay_us, prefill_cpus=prefill_cpus,
-                                  decode_cpus=decode_cpus, log_dir=log_dir) as pair,
-              ThreadPoolExecutor(max_workers=4) as pool):
-            print(f"{mode}: P up in {pair.prefill.start_seconds:.1f} s, D in {pair.decode.start_seconds:.1f} s; "
-                  f"idle cores P {pair.prefill.idle_cores(3):.2f} D {pair.decode.idle_cores(3):.2f}")
+        spec = upstream_spec(mode, poll_delay_us=poll_delay_us, prefill_cpus=prefill_cpus, decode_cpus=decode_cpus)
+        with Stack(spec, model_dir, work / mode) as stack, ThreadPoolExecutor(max_workers=4) as pool:
+            stack.start()
+            print(f"{mode}: P up in {stack.prefill.start_seconds:.1f} s, D in {stack.decode.start_seconds:.1f} s; "
+                  f"idle cores P {stack.prefill.idle_cores(3):.2f} D {stack.decode.idle_cores(3):.2f}")
             # The first request pays for the NIXL handshake and connection setup.
-            warmup = route(pair, prompts[0], max_tokens, pool)
+            warmup = route(stack, prompts[0], max_tokens, pool)
             ok &= max_logprob_diff(reference[0], warmup.decode) <= atol
             print(f"  {mode} warm-up TTFT {warmup.ttft_s * 1000:.0f} ms")
             for prompt, ref in zip(prompts, reference):
                 ttfts, diff = [], 0.0
                 for _ in range(repeats):
-                    routed = route(pair, prompt, max_tokens, pool)
+                    routed = route(stack, prompt, max_tokens, pool)
                     diff = max(diff, max_logprob_diff(ref, routed.decode))
                     ttfts.append(routed.ttft_s * 1000)
                 ok &= diff <= atol

@@ -15,38 +15,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kvpush.processes import group_members, thread_ids
+from kvpush.localstack.completions import SERVED_MODEL_NAME
+from kvpush.localstack.process import StartError, interrupt_on_signals
+from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.report.breakdown import breakdown
 from kvpush.report.render import html_report, text_table, write_png
-from kvpush.services.common.tokens import create_tokens
+from kvpush.sse import DONE, sse_payloads_async
 from kvpush.telemetry import read_spans
 from kvpush.tinymodel import build_tiny_model, corpus, default_model_dir
 
-SERVED_MODEL_NAME = "tiny"
-# vLLM CPU settings that work on a 2-core machine (see tests/e2e/harness.py
-# for the measurements): float32 (bf16 dies with SIGILL on these CPUs), eager
-# mode, 1 GiB of KV, no OpenMP thread binding, no prefix caching.
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 REQUEST_ID_PREFIX = "demo-"
 # Prompt sizes in corpus sentences (about 12 tokens each): short, medium, long, longer.
 PROMPT_SENTENCES = (1, 10, 40, 120)
@@ -58,164 +43,6 @@ class DemoError(RuntimeError):
 
 def _say(started: float, message: str) -> None:
     print(f"[{time.monotonic() - started:6.1f}s] {message}", flush=True)
-
-
-def _http_get(url: str, timeout: float) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status
-    except (urllib.error.URLError, OSError):
-        return 0
-
-
-@dataclasses.dataclass
-class Process:
-    """A child process in its own process group, with its log file."""
-
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM to the group, then SIGKILL to whatever is left after `timeout`; returns once the group is gone."""
-        group = self.popen.pid
-        for signum, wait_s in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
-            if not group_members(group):
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signum)
-            deadline = time.monotonic() + wait_s
-            while group_members(group) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(5)
-
-
-class Stack:
-    """The processes the demo started; stop() ends them all, latest first."""
-
-    def __init__(self, run_dir: Path, started: float):
-        self.run_dir = run_dir
-        self.logs = run_dir / "logs"
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.started = started
-        self.processes: list[Process] = []
-        self.env = {**os.environ, "KVPUSH_TRACES_FILE": str(run_dir / "traces.jsonl"), "OTEL_TRACES_EXPORTER": "kvpush_file"}
-
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Process:
-        log = self.logs / f"{name}.log"
-        with log.open("ab") as handle:
-            handle.write(("$ " + " ".join(argv) + "\n").encode())
-            handle.flush()
-            popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**self.env, **(env or {})},
-                                     start_new_session=True)
-        process = Process(name, popen, log)
-        self.processes.append(process)
-        return process
-
-    def stop(self) -> None:
-        for process in reversed(self.processes):
-            if process.alive():
-                _say(self.started, f"stopping {process.name} (pid {process.popen.pid})")
-            process.stop()
-        self.processes.clear()
-
-
-def _wait_for_file(process: Process, path: Path, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not process.alive():
-            raise DemoError(f"{process.name} exited with {process.popen.returncode}; log {process.log}:\n{process.tail()}")
-        text = path.read_text().strip() if path.exists() else ""
-        if text:
-            return text
-        time.sleep(0.05)
-    raise DemoError(f"{process.name} did not start within {timeout:g} s; log {process.log}:\n{process.tail()}")
-
-
-def _engine_argv(model_dir: Path, port: int, cpu: str, kv_transfer_config: dict) -> list[str]:
-    return [
-        "taskset", "-c", cpu, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_MODEL_NAME,
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--no-enable-prefix-caching",
-        "--kv-transfer-config", json.dumps(kv_transfer_config),
-    ]
-
-
-def _pin(process: Process, cpu: int) -> None:
-    """Pins every thread of the engine's process group to cpu (threads started after taskset may have moved)."""
-    for tid in thread_ids(group_members(process.popen.pid)):
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(tid, {cpu})
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start_stack(stack: Stack, model_dir: Path, engine_timeout: float) -> str:
-    """Starts control plane, P, D and router; returns the router's URL."""
-    cp_dir = stack.run_dir / "control-plane"
-    cp_dir.mkdir(exist_ok=True)
-    # One token per identity: each engine and the router get only their own file.
-    tokens_dir = cp_dir / "tokens"
-    create_tokens(tokens_dir, ["router", "prefill-0", "decode-0"])
-    control = stack.spawn("control-plane", [
-        sys.executable, "-m", "kvpush.cli", "control-plane", "--listen", "127.0.0.1:0", "--port-file", str(cp_dir / "port"),
-        "--tokens-dir", str(tokens_dir), "--metrics-port", "0",
-    ])
-    address = f"127.0.0.1:{_wait_for_file(control, cp_dir / 'port', 30)}"
-    _say(stack.started, f"control plane listening on {address}")
-    engines: dict[str, str] = {}
-    processes = {}
-    for role, engine_id, cpu in (("prefill", "prefill-0", "0"), ("decode", "decode-0", "1")):
-        port = _free_port()
-        config = {
-            "kv_connector": "KvpushConnector",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": {"control_plane": address, "token_file": str(tokens_dir / engine_id)},
-        }
-        processes[role] = (stack.spawn(role, _engine_argv(model_dir, port, cpu, config), ENGINE_ENV), int(cpu), engine_id)
-        engines[role] = f"http://127.0.0.1:{port}"
-    _say(stack.started, "starting the prefill engine on CPU 0 and the decode engine on CPU 1 (the longest step)")
-    ready: set[str] = set()
-    deadline = time.monotonic() + engine_timeout
-    last_report = time.monotonic()
-    while len(ready) < len(processes):
-        for role, (process, cpu, _) in processes.items():
-            if role in ready:
-                continue
-            if not process.alive():
-                raise DemoError(f"the {role} engine exited with {process.popen.returncode}; log {process.log}:\n{process.tail()}")
-            if _http_get(engines[role] + "/health", 2.0) == 200:
-                _pin(process, cpu)
-                ready.add(role)
-                _say(stack.started, f"{role} engine healthy at {engines[role]}")
-        if time.monotonic() > deadline:
-            waiting = ", ".join(sorted(set(processes) - ready))
-            raise DemoError(f"engines not healthy after {engine_timeout:g} s: {waiting}; logs in {stack.logs}")
-        if time.monotonic() - last_report >= 10 and len(ready) < len(processes):
-            last_report = time.monotonic()
-            _say(stack.started, f"  still starting: {', '.join(sorted(set(processes) - ready))}")
-        time.sleep(0.5)
-    router_port_file = stack.run_dir / "router.port"
-    router = stack.spawn("router", [
-        sys.executable, "-m", "kvpush.cli", "router", "--listen", "127.0.0.1:0", "--port-file", str(router_port_file),
-        "--prefill", f"{engines['prefill']}={processes['prefill'][2]}", "--decode", f"{engines['decode']}={processes['decode'][2]}",
-        "--control-plane", address, "--token-file", str(tokens_dir / "router"),
-    ])
-    router_url = f"http://127.0.0.1:{_wait_for_file(router, router_port_file, 30)}"
-    _say(stack.started, f"router listening on {router_url}")
-    return router_url
 
 
 @dataclasses.dataclass
@@ -256,11 +83,9 @@ async def _send(session: Any, router_url: str, request_id: str, kind: str, promp
             answer.text = choice["message"]["content"] if chat else choice["text"]
             answer.prompt_tokens = data["usage"]["prompt_tokens"]
         else:
-            async for raw in response.content:
-                line = raw.strip()
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[6:])
+            async for chunk in sse_payloads_async(response.content):
+                if chunk == DONE:
+                    break
                 if chunk.get("usage"):
                     answer.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 for choice in chunk.get("choices", []):
@@ -346,48 +171,48 @@ def _check_prerequisites() -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     run_dir = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
-    stack: Stack | None = None
 
-    def interrupted(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
+    def say(message: str) -> None:
+        _say(started, message)
 
-    # Both explicitly: a shell's background job starts with SIGINT ignored.
-    previous = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _check_prerequisites()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _say(started, f"writing to {run_dir}")
-        model_dir = build_tiny_model(args.model_dir or default_model_dir())
-        _say(started, f"model ready in {model_dir}")
-        stack = Stack(run_dir, started)
-        router_url = start_stack(stack, model_dir, args.engine_timeout)
-        answers = asyncio.run(run_requests(router_url, args.max_tokens, started))
-        _print_answers(answers)
-        (run_dir / "outputs.json").write_text(json.dumps([dataclasses.asdict(a) for a in answers], indent=1), encoding="utf-8")
-        failed = [a for a in answers if a.status != 200]
-        streamed = sum(a.ttft_ms is not None for a in answers)
-        spans = _wait_for_spans(run_dir / "traces.jsonl", streamed, timeout=15.0)
-        stack.stop()
-        result = breakdown(spans, request_id_prefix=REQUEST_ID_PREFIX)
-        table = text_table(result)
-        print("\n" + table)
-        (run_dir / "summary.txt").write_text(table + "\n", encoding="utf-8")
-        title = f"kvpush demo {run_dir.name}: TTFT breakdown"
-        (run_dir / "report.html").write_text(html_report(result, title, ["traces.jsonl"]), encoding="utf-8")
-        write_png(result, run_dir / "breakdown.png", title)
-        records = [{**dataclasses.asdict(r), "ttft_ms": r.ttft_ms, "handoff_overhead_ms": r.handoff_overhead_ms} for r in result.requests]
-        (run_dir / "requests.json").write_text(json.dumps(records, indent=1), encoding="utf-8")
-        print(f"\nreport: {run_dir / 'report.html'}  chart: {run_dir / 'breakdown.png'}  traces: {run_dir / 'traces.jsonl'}  logs: {run_dir / 'logs'}")
-        _say(started, "done" if not failed else f"done, but {len(failed)} requests failed")
-        return 1 if failed else 0
-    except DemoError as exc:
+        with interrupt_on_signals():
+            _check_prerequisites()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            say(f"writing to {run_dir}")
+            model_dir = build_tiny_model(args.model_dir or default_model_dir())
+            say(f"model ready in {model_dir}")
+            # P on CPU 0 and D on CPU 1: unpinned, their OpenMP threads fight over the two cores.
+            spec = StackSpec(mode="kvpush", prefill_cpus="0", decode_cpus="1", traces_file=run_dir / "traces.jsonl",
+                             control_plane_args=("--metrics-port", "0"), engine_start_timeout=args.engine_timeout)
+            with Stack(spec, model_dir, run_dir, log_dir=run_dir / "logs", say=say) as stack:
+                stack.start()
+                answers = asyncio.run(run_requests(stack.router.url, args.max_tokens, started))
+                _print_answers(answers)
+                (run_dir / "outputs.json").write_text(json.dumps([dataclasses.asdict(a) for a in answers], indent=1), encoding="utf-8")
+                streamed = sum(a.ttft_ms is not None for a in answers)
+                spans = _wait_for_spans(run_dir / "traces.jsonl", streamed, timeout=15.0)
+            _write_report(run_dir, spans)
+            failed = [a for a in answers if a.status != 200]
+            say("done" if not failed else f"done, but {len(failed)} requests failed")
+            return 1 if failed else 0
+    except (DemoError, StartError) as exc:
         print(f"kvpush demo: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nkvpush demo: interrupted", file=sys.stderr)
         return 130
-    finally:
-        if stack is not None:
-            stack.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+
+
+def _write_report(run_dir: Path, spans: list[dict]) -> None:
+    """Prints the TTFT breakdown and writes summary.txt, report.html, breakdown.png and requests.json."""
+    result = breakdown(spans, request_id_prefix=REQUEST_ID_PREFIX)
+    table = text_table(result)
+    print("\n" + table)
+    (run_dir / "summary.txt").write_text(table + "\n", encoding="utf-8")
+    title = f"kvpush demo {run_dir.name}: TTFT breakdown"
+    (run_dir / "report.html").write_text(html_report(result, title, ["traces.jsonl"]), encoding="utf-8")
+    write_png(result, run_dir / "breakdown.png", title)
+    records = [{**dataclasses.asdict(r), "ttft_ms": r.ttft_ms, "handoff_overhead_ms": r.handoff_overhead_ms} for r in result.requests]
+    (run_dir / "requests.json").write_text(json.dumps(records, indent=1), encoding="utf-8")
+    print(f"\nreport: {run_dir / 'report.html'}  chart: {run_dir / 'breakdown.png'}  traces: {run_dir / 'traces.jsonl'}  logs: {run_dir / 'logs'}")

@@ -1,6 +1,6 @@
 # SPDX-FileCopyrightText: 2026 The kvpush Authors
 # SPDX-License-Identifier: Apache-2.0
-"""Process groups on Linux: the demo, the tests and the benchmarks stop and pin whole engines by group."""
+"""Processes on Linux (psutil; thread names from /proc): process groups, CPU time, memory and CPU affinity of whole engines."""
 
 from __future__ import annotations
 
@@ -90,3 +90,40 @@ def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
             key = f"{process_name}/{thread_name}"
             totals[key] = totals.get(key, 0.0) + thread.user_time + thread.system_time
     return totals
+
+
+def parse_cpu_list(cpu_list: str) -> set[int]:
+    """CPU ids of a taskset-style list such as "0", "0-1" or "0,2-3"."""
+    cpus: set[int] = set()
+    for part in cpu_list.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_threads(pids: list[int], cpus: set[int]) -> int:
+    """Sets the CPU affinity of every thread of `pids` (threads that vanish meanwhile are skipped); returns how many had another one."""
+    moved = 0
+    for tid in thread_ids(pids):
+        try:
+            moved += os.sched_getaffinity(tid) != cpus
+            os.sched_setaffinity(tid, cpus)
+        except OSError:
+            pass
+    return moved
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process in bytes; 0 if gone."""
+    try:
+        return psutil.Process(pid).memory_full_info().pss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process in bytes; 0 if gone."""
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.NoSuchProcess:
+        return 0

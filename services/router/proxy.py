@@ -72,6 +72,7 @@ from kvpush.services.router.core import (
     upstream_push_prefill_params,
 )
 from kvpush.services.router.metrics import RouterMetrics
+from kvpush.sse import DONE, SseDecoder
 from kvpush.telemetry import ATTR_ATTEMPT, ATTR_CLIENT_REQUEST_ID, ATTR_TRANSFER_ID, extract_context, inject_traceparent
 
 logger = logging.getLogger(__name__)
@@ -189,19 +190,6 @@ async def _status_failure(leg: str, endpoint: Endpoint, response: aiohttp.Client
     return LegFailure(leg, endpoint, "engine_error", f"HTTP {response.status}: {message}")
 
 
-def _sse_data(line: bytes) -> Any:
-    """The JSON payload of an SSE `data:` line; None for other lines, "[DONE]" for the end marker."""
-    if not line.startswith(b"data:"):
-        return None
-    payload = line[5:].strip()
-    if payload == b"[DONE]":
-        return "[DONE]"
-    try:
-        return json.loads(payload)
-    except ValueError:
-        return None
-
-
 def _finish_span(span: Span, error: str | None = None) -> None:
     if error is not None:
         span.set_status(Status(StatusCode.ERROR, error))
@@ -255,6 +243,8 @@ class DecodeLeg:
         self.span = span
         self.response: aiohttp.ClientResponse | None = None
         self.buffered: list[bytes] = []  # read before the first output: the non-streamed body, or SSE lines
+        # Only peeks at the stream it passes on: an event it cannot read is the client's to judge.
+        self.events = SseDecoder(skip_malformed=True)
         self._closed = False
         router.decode_pool.acquire(endpoint)
 
@@ -276,13 +266,13 @@ class DecodeLeg:
                 if not line:
                     raise LegFailure(DECODE, self.endpoint, "protocol", "the stream ended before any output")
                 self.buffered.append(line)
-                data = _sse_data(line)
-                if data == "[DONE]":
-                    raise LegFailure(DECODE, self.endpoint, "protocol", "the stream ended before any output")
-                if isinstance(data, dict) and "error" in data:
-                    raise LegFailure(DECODE, self.endpoint, "engine_error", f"the engine reported: {data['error'].get('message', data['error'])}")
-                if isinstance(data, dict) and data.get("choices"):
-                    return
+                for data in self.events.feed(line):
+                    if data == DONE:
+                        raise LegFailure(DECODE, self.endpoint, "protocol", "the stream ended before any output")
+                    if isinstance(data, dict) and "error" in data:
+                        raise LegFailure(DECODE, self.endpoint, "engine_error", f"the engine reported: {data['error'].get('message', data['error'])}")
+                    if isinstance(data, dict) and data.get("choices"):
+                        return
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _failure_from_exception(DECODE, self.endpoint, exc, config.request_timeout_s) from exc
 
@@ -846,8 +836,10 @@ class Router:
                         break
                     if not line:
                         break
+                    # Read before the write: a client that hangs up on the blank line ending [DONE] has its answer.
+                    # Undecoded: the chunks pass through, and JSON-decoding each would cost the router CPU per token.
+                    finished = finished or any(data.strip() == DONE for data in decode.events.feed_data(line))
                     await response.write(line)
-                    finished = finished or line.startswith(b"data: [DONE]")
                 decode.close(abort=False)
                 await response.write_eof()
             except ConnectionResetError:

@@ -18,29 +18,14 @@ import time
 
 import pytest
 
+from kvpush.localstack.completions import HttpError, completion_body, completions, max_logprob_diff, max_logprob_shift
+from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.localstack.engines import reference_run, start_vllm_server
+from kvpush.localstack.metrics import free_kv_blocks
+from kvpush.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.localstack.transfers import Dispatch, dispatch, get_transfer, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
-from tests.e2e.harness import (
-    HttpError,
-    completion_body,
-    completions,
-    control_prompt,
-    free_kv_blocks,
-    max_logprob_diff,
-    max_logprob_shift,
-    prompt_token_ids,
-    reference_run,
-    start_vllm_server,
-)
-from tests.e2e.kvpush_stack import (
-    Dispatch,
-    dispatch,
-    get_transfer,
-    kvpush_transfer_config,
-    new_transfer_id,
-    start_control_plane,
-    transfer_params,
-    wait_for,
-)
+from tests.e2e.wait import wait_for
 
 pytestmark = pytest.mark.engine
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvpush.localstack.completions import max_logprob_diff
+from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.localstack.engines import reference_run, start_vllm_server
+from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.localstack.transfers import dispatch, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
-from tests.e2e.harness import max_logprob_diff, prompt_token_ids, reference_run, start_vllm_server
-from tests.e2e.kvpush_stack import dispatch, get_transfer, kvpush_transfer_config, start_control_plane
 
 pytestmark = pytest.mark.engine
 

@@ -9,18 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvpush.localstack.completions import completions, max_logprob_diff, max_logprob_shift, stream_completions
+from kvpush.localstack.engines import start_vllm_server
+from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks
+from kvpush.localstack.prompts import control_prompt, prompt_token_ids
 from kvpush.tinymodel import build_tiny_model, default_model_dir
-from tests.e2e.harness import (
-    completions,
-    control_prompt,
-    free_kv_blocks,
-    max_logprob_diff,
-    max_logprob_shift,
-    num_kv_blocks,
-    prompt_token_ids,
-    start_vllm_server,
-    stream_completions,
-)
 
 pytestmark = pytest.mark.engine
 

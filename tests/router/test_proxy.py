@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from kvpush.client import BrokerClient, ClientConfig
+from kvpush.localstack.process import free_port
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services import control_plane
@@ -28,7 +29,7 @@ from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.tokens import ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import Endpoint
-from tests.e2e.harness import free_port
+from kvpush.sse import DONE, sse_payloads
 from tests.router.fake_engines import DECODE_WORDS, FakeEngine, decode_stream_text
 from tests.router.router_harness import RouterUnderTest
 
@@ -85,10 +86,9 @@ async def transfer_state(plane, transfer_id: str, attempt: int) -> int:
 def sse_texts(body: bytes) -> tuple[list[str], list[dict]]:
     """Texts of a completions stream's chunks, and any error events."""
     texts, errors = [], []
-    for line in body.split(b"\n"):
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+    for event in sse_payloads(body.splitlines(keepends=True)):
+        if event == DONE:
             continue
-        event = json.loads(line[6:])
         if "error" in event:
             errors.append(event["error"])
         else:

@@ -17,31 +17,25 @@ from __future__ import annotations
 import concurrent.futures
 import http.client
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvpush.localstack.completions import Completion, completions, max_logprob_diff, stream_completions
+from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.localstack.engines import start_vllm_server
+from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks
+from kvpush.localstack.process import GroupProcess, free_port
+from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.localstack.router import RouterHandle, start_router
+from kvpush.localstack.transfers import get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
+from kvpush.sse import DONE, sse_payloads
 from kvpush.telemetry import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
-from tests.e2e.harness import (
-    Completion,
-    completions,
-    free_kv_blocks,
-    free_port,
-    log_tail,
-    max_logprob_diff,
-    num_kv_blocks,
-    prompt_token_ids,
-    start_vllm_server,
-    stream_completions,
-)
-from tests.e2e.kvpush_stack import get_transfer, kvpush_transfer_config, start_control_plane, wait_for
+from tests.e2e.wait import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -74,7 +68,7 @@ def chat(url: str, messages: list[dict], max_tokens: int, *, stream: bool = Fals
         conn.close()
     assert response.status == 200, data[:2000]
     if stream:
-        chunks = [json.loads(line[6:]) for line in data.split(b"\n") if line.startswith(b"data: {")]
+        chunks = [chunk for chunk in sse_payloads(data.splitlines(keepends=True)) if chunk != DONE]
         choices = [choice for chunk in chunks for choice in chunk["choices"]]
     else:
         choices = json.loads(data)["choices"]
@@ -84,36 +78,16 @@ def chat(url: str, messages: list[dict], max_tokens: int, *, stream: bool = Fals
     return result
 
 
-class RouterProcess:
-    """A `kvpush router` (or the example router) subprocess, in its own process group."""
-
-    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str], port_file: Path | None = None, port: int | None = None):
-        self.log_path = log_path
-        with log_path.open("ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **env},
-                                            start_new_session=True, cwd=ROOT)
-        deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"router exited with {self.process.returncode}:\n{log_tail(log_path)}")
-            if port_file is not None and port_file.exists() and port_file.read_text().strip():
-                port = int(port_file.read_text())
-            if port is not None and _answers(f"http://127.0.0.1:{port}"):
-                break
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"router not serving after {ROUTER_START_TIMEOUT_S:g} s:\n{log_tail(log_path)}")
-            time.sleep(0.1)
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
+def start_example_router(argv: list[str], log_path: Path, port: int) -> GroupProcess:
+    """examples/minimal_router.py on `port`, once it answers HTTP (bounded)."""
+    process = GroupProcess("minimal-router", argv, log_path, cwd=ROOT)
+    deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+    while not _answers(f"http://127.0.0.1:{port}"):
+        if not process.alive() or time.monotonic() > deadline:
+            process.stop()
+            raise RuntimeError(f"the example router is not serving (exit {process.returncode}):\n{process.tail()}")
+        time.sleep(0.1)
+    return process
 
 
 def _answers(url: str) -> bool:
@@ -148,7 +122,7 @@ def stack(tmp_path_factory):
     env = {"KVPUSH_TRACES_FILE": str(traces)}
     control_plane = start_control_plane(work / "control-plane", env=env)
     started = []
-    routers: list[RouterProcess] = []
+    routers: list[RouterHandle] = []
 
     def reference():
         with start_vllm_server(model_dir, log_path=work / "reference.log") as server:
@@ -166,21 +140,18 @@ def stack(tmp_path_factory):
             ref, p, d = pool.submit(reference), pool.submit(engine, "prefill", "prefill-0", "0"), pool.submit(engine, "decode", "decode-0", "1")
             (reference_completions, reference_chats), prefill, decode = ref.result(), p.result(), d.result()
 
-        def start_router(name, prefills, extra=()):
-            port_file = work / f"{name}.port"
-            argv = [sys.executable, "-m", "kvpush.cli", "router", "--listen", "127.0.0.1:0", "--port-file", str(port_file),
-                    *[arg for url in prefills for arg in ("--prefill", f"{url}=prefill-0")], "--decode", f"{decode.url}=decode-0",
-                    "--control-plane", control_plane.address, "--token-file", str(control_plane.token_file), *extra]
-            router = RouterProcess(argv, work / f"{name}.log", env, port_file=port_file)
+        def start_named_router(name, prefills, extra=()):
+            router = start_router(work, name=name, prefill=[f"{url}=prefill-0" for url in prefills], decode=[f"{decode.url}=decode-0"],
+                                  control_plane=control_plane, extra_args=extra, env=env)
             routers.append(router)
             return router
 
-        router = start_router("router", [prefill.url])
+        router = start_named_router("router", [prefill.url])
         # Warm-up: an engine's first request pays one-time costs (seconds).
         completions(router.url, prompt_token_ids(20, seed=99), 2)
         yield {
             "work": work, "traces": traces, "control_plane": control_plane, "prefill": prefill, "decode": decode, "router": router,
-            "start_router": start_router, "prompts": prompts, "reference": reference_completions, "reference_chats": reference_chats,
+            "start_router": start_named_router, "prompts": prompts, "reference": reference_completions, "reference_chats": reference_chats,
         }
     finally:
         for process in routers:
@@ -304,10 +275,9 @@ def test_minimal_router_example(stack):
     argv = [sys.executable, str(ROOT / "examples" / "minimal_router.py"), "--prefill", f"{stack['prefill'].url}=prefill-0",
             "--decode", f"{stack['decode'].url}=decode-0", "--control-plane", stack["control_plane"].address,
             "--token-file", str(stack["control_plane"].token_file), "--port", str(port)]
-    example = RouterProcess(argv, stack["work"] / "minimal-router.log", {}, port=port)
+    example = start_example_router(argv, stack["work"] / "minimal-router.log", port)
     try:
-        host, port_text = example.url.removeprefix("http://").split(":")
-        conn = http.client.HTTPConnection(host, int(port_text), timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         body = {"model": "tiny", "prompt": stack["prompts"][1], "max_tokens": MAX_TOKENS, "temperature": 0.0, "logprobs": 1, "return_token_ids": True,
                 "ignore_eos": True}
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})

@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvpush.client import BrokerClient, ClientConfig
+from kvpush.localstack.process import free_port
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -40,7 +41,6 @@ from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.tokens import ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import Endpoint
-from tests.e2e.harness import free_port
 from tests.router.fake_engines import DECODE_WORDS, Received, serve_app
 from tests.router.router_harness import RouterUnderTest
 

@@ -1,0 +1,76 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""kvpush.localstack without engines: process groups stopped whole, bounded start waits, signals, stack specs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from kvpush.localstack.process import GroupProcess, StartError, interrupt_on_signals, wait_for_port_file
+from kvpush.localstack.stack import StackSpec
+from kvpush.processes import group_members
+
+# A leader that ignores SIGTERM and leaves a child in its group: only a group SIGKILL ends both.
+STUBBORN = "trap '' TERM; sleep 60 & echo started; wait"
+
+
+def test_stop_ends_the_whole_group_even_when_sigterm_is_ignored(tmp_path):
+    process = GroupProcess("stubborn", ["sh", "-c", STUBBORN], tmp_path / "stubborn.log")
+    assert os.getpgid(process.pid) == process.pid
+    deadline = time.monotonic() + 30
+    while process.tail(1) != "started":  # the last line: the command line above it names "started" too
+        assert process.alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(group_members(process.pid)) == 2
+    process.stop(timeout=0.3)
+    assert not process.running() and group_members(process.pid) == []
+    assert (tmp_path / "stubborn.log").read_text().startswith("$ sh -c")
+
+
+def test_kill_ends_the_whole_group(tmp_path):
+    process = GroupProcess("sleeper", ["sh", "-c", "sleep 60 & wait"], tmp_path / "sleeper.log")
+    process.kill()
+    assert not process.running()
+    assert process.returncode == -signal.SIGKILL
+
+
+def test_wait_for_port_file(tmp_path):
+    port_file = tmp_path / "port"
+    writer = GroupProcess("writer", [sys.executable, "-c", f"open({str(port_file)!r}, 'w').write('4321\\n'); import time; time.sleep(60)"],
+                          tmp_path / "writer.log")
+    try:
+        assert wait_for_port_file(writer, port_file, timeout=30) == 4321
+    finally:
+        writer.stop()
+    quitter = GroupProcess("quitter", [sys.executable, "-c", "print('no port for you'); raise SystemExit(3)"], tmp_path / "quitter.log")
+    with pytest.raises(StartError, match="quitter exited with 3(.|\n)*no port for you"):
+        wait_for_port_file(quitter, tmp_path / "never", timeout=30)
+    silent = GroupProcess("silent", ["sleep", "60"], tmp_path / "silent.log")
+    with pytest.raises(StartError, match="silent did not start within 0.2 s"):
+        wait_for_port_file(silent, tmp_path / "never", timeout=0.2)
+    assert not silent.running()
+
+
+def test_interrupt_on_signals_raises_keyboard_interrupt_and_restores_the_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"), interrupt_on_signals():
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next statement
+        pytest.fail("SIGTERM did not interrupt")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stack_spec_engine_ids_and_checks():
+    assert StackSpec(prefills=2).engine_ids("prefill") == ["prefill-0", "prefill-1"]
+    assert StackSpec(mode="pull").engine_ids("decode") == ["upstream-decode"]
+    assert StackSpec(mode="pull", decodes=2).engine_ids("decode") == ["upstream-decode-0", "upstream-decode-1"]
+    with pytest.raises(ValueError, match="mode"):
+        StackSpec(mode="teleport")
+    with pytest.raises(ValueError, match="prefills must be 1"):
+        StackSpec(mode="upstream-push", prefills=2)
+    with pytest.raises(ValueError, match="at least one"):
+        StackSpec(decodes=0)
