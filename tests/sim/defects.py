@@ -78,7 +78,7 @@ def _early_order_skips_token_check():
 
 
 def _first_part_counts_as_all():
-    """8. The decode side counted a producer rank complete at its first part of a layer-progressive WRITE."""
+    """P1. The decode side counted a producer rank complete at its first part of a layer-progressive WRITE."""
     original = ConsumerCore._count
 
     def count(self, receive: Receive, note) -> None:
@@ -169,19 +169,20 @@ SIMULATED = [
     Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (436, 494, 724)),
     Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 16)),
     Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (37, 44, 191)),
-    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (41, 49, 59)),
+    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (38, 41, 49)),
     Defect(
         "4c",
         "hold margin not validated",
         _hold_margin_unchecked,
         "write-after-free",
-        (1103, 2538, 2760),
+        (226, 1335, 1943),
         replace(Timing(), hold_margin_s=0.01),
     ),
-    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 6, 8)),
-    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 733, 872)),
+    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 4, 6)),
+    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 733, 974)),
     Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (444, 447, 462)),
-    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (1175, 1625, 2344)),
+    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (1175, 2344, 2899)),
+    Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (1, 2, 3)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random

@@ -134,3 +134,37 @@ def core_source(req_id: str):
     from kvpush.connector.producer import Source
 
     return Source(SourceReady(req_id, "t", 1, req_id, "d", ((0,),), 4, 1.0, "", 0, 0), 0.0, 0)
+
+
+class PagesTransport(RecordingTransport):
+    """Records which device each prepared page table names (no NIXL: the arguments are under test)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared: dict[str | None, set[int]] = {}
+
+    def prepare_pages(self, peer, rows):
+        self.prepared[peer] = {int(d) for d in rows[:, 2]}
+        return peer or "local"
+
+
+def test_prepared_page_tables_name_each_sides_own_device():
+    """Defect 11 for prepared lists: P on device 0 prepares D's pages with D's device (1), its own with 0."""
+    import torch
+
+    from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
+
+    def layout(device_id: int) -> engine_pb2.KvLayout:
+        layers = [LayerTensor(i, f"model.layers.{i}.self_attn.attn", 0, torch.zeros(4, 1, 16, 16)) for i in range(2)]
+        built, _, _ = build_layout("FLASH_ATTN", layers, [GroupSpec(16, 4)], dtype="torch.float32", head_size=8, total_kv_heads=1,
+                                   num_local_heads=1)
+        for region in built.regions:
+            region.device_id = device_id
+        return built
+
+    transport = PagesTransport()
+    core = ProducerCore(transport, LocalLayout(layout(0), 0, 1, device=0), "prefill-0", lambda r: None, NoSpans(), ManualClock())
+    event = _decode_engine(device_id=1)
+    event.engine.ranks[0].layout.CopyFrom(layout(1))
+    core.engine_event(event)
+    assert transport.prepared == {None: {0}, "d0": {1}}
