@@ -156,7 +156,10 @@ class DecodeLeg:
                     if data == DONE:
                         raise LegFailure(DECODE, self.endpoint, "protocol", "the stream ended before any output")
                     if isinstance(data, dict) and "error" in data:
-                        raise LegFailure(DECODE, self.endpoint, "engine_error", f"the engine reported: {data['error'].get('message', data['error'])}")
+                        error = data["error"]
+                        # OpenAI's error object, or (some servers) just its message.
+                        message = error.get("message", error) if isinstance(error, dict) else error
+                        raise LegFailure(DECODE, self.endpoint, "engine_error", f"the engine reported: {message}")
                     if isinstance(data, dict) and data.get("choices"):
                         return
         except (TimeoutError, aiohttp.ClientError) as exc:
