@@ -14,8 +14,8 @@ from aiohttp import web
 
 from kvpush.services.common.config import write_private_file
 from kvpush.services.common.server import run_event_loop
+from kvpush.services.router.app import Router
 from kvpush.services.router.config import RouterConfig
-from kvpush.services.router.proxy import Router
 from kvpush.telemetry import configure_tracing
 
 logger = logging.getLogger(__name__)

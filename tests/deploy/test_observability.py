@@ -19,9 +19,10 @@ from prometheus_client import CollectorRegistry
 
 from kvpush.report.breakdown import DETAILS
 from kvpush.services.broker.metrics import BrokerMetrics
+from kvpush.services.router.app import REQUEST_SPAN
 from kvpush.services.router.core import Endpoint, EnginePool
+from kvpush.services.router.legs import LEG_SPANS
 from kvpush.services.router.metrics import RouterMetrics
-from kvpush.services.router.proxy import LEG_SPANS, REQUEST_SPAN
 
 ROOT = Path(__file__).resolve().parents[2]
 OBSERVABILITY = ROOT / "deploy" / "observability"

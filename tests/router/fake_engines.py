@@ -6,7 +6,7 @@ A fake prefill engine answers one token (and, like upstream's NixlConnector
 in pull mode, kv_transfer_params naming itself); a fake decode engine
 answers a fixed text, streamed as one SSE chunk per word when asked. Each
 fake can be told to fail: answer an HTTP error, hang, or (decode) break off
-its stream after the first chunk.
+its stream after the first chunk or stream an error event instead.
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class Received:
 
 
 class FakeEngine:
-    """A fake vLLM server of one role; `behaviour` is "ok", "error:<status>", "hang" or (decode) "break"."""
+    """A fake vLLM server of one role; `behaviour` is "ok", "error:<status>", "hang" or (decode, streamed) "break", "error-event" or "error-event-text".
+
+    "error-event" streams an error event with OpenAI's error object;
+    "error-event-text" one whose "error" is just the message.
+    """
 
     def __init__(self, role: str, engine_id: str, behaviour: str = "ok", delay_s: float = 0.0, chunk_delay_s: float = 0.0):
         self.role = role
@@ -94,6 +98,12 @@ class FakeEngine:
             return web.json_response({"id": "cmpl-d", "object": "text_completion", "choices": [{"index": 0, "text": " ".join(DECODE_WORDS), "finish_reason": "length"}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.behaviour.startswith("error-event"):
+            message = f"{self.engine_id} failed"
+            error = message if self.behaviour == "error-event-text" else {"message": message, "type": "InternalServerError", "code": 500}
+            await response.write(b"data: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n")
+            await response.write_eof()
+            return response
         for index, word in enumerate(DECODE_WORDS):
             chunk = {"id": "cmpl-d", "object": "text_completion", "choices": [{"index": 0, "text": word, "finish_reason": None}]}
             await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

@@ -9,8 +9,8 @@ import aiohttp
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
+from kvpush.services.router.app import Router
 from kvpush.services.router.config import RouterConfig
-from kvpush.services.router.proxy import Router
 
 
 class RouterUnderTest:

@@ -337,6 +337,23 @@ async def test_upstream_push_mode_matches_legs_by_request_id(spans):
     assert p_leg.body["kv_transfer_params"]["transfer_id"] == params["transfer_id"]
 
 
+@pytest.mark.parametrize("behaviour", ["error-event", "error-event-text"])
+async def test_decode_error_event_names_the_engines_message_whether_object_or_text(spans, behaviour):
+    provider, _ = spans
+    prefill, decode = await started(FakeEngine("prefill", "prefill-0"), FakeEngine("decode", "decode-0", behaviour))
+    try:
+        config = make_config(None, [prefill], [decode], mode="upstream-push", prefill_kv_host="127.0.0.1", prefill_side_channel_port=5601)
+        async with RouterUnderTest(config, provider) as router:
+            status, body, _ = await router.post("/v1/completions", {**BODY, "stream": True})
+            metrics = await router.metrics()
+    finally:
+        await stop(prefill, decode)
+    error = json.loads(body)["error"]
+    assert status == 502 and (error["leg"], error["engine_id"], error["reason"]) == ("decode", "decode-0", "LEG_FAILED")
+    assert "the engine reported: decode-0 failed" in error["message"]
+    assert 'kvpush_router_leg_failures_total{cause="engine_error",leg="decode"} 1.0' in metrics
+
+
 async def test_health_models_metrics_and_bad_requests(plane, spans):
     provider, _ = spans
     dead = FakeEngine("prefill", "prefill-dead")
