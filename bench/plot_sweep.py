@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Draws the sweep's panels as in the seed study: a metric's p50 against QPS, one panel per input length, one line per mode.
 
-Reads the `<mode>_qps<q>_in<in>_out<out>_iter<i>.json` files `bench/sweep.py`
+Reads the `<mode>_qps<q>_in<in>_out<out>_iter<i>.json` files `python -m bench.sweep`
 wrote. Each marker is the p50 over the requests of every iteration of that
 point (as `bench.sweep --report-only` prints it); the bar through it spans
 the iterations' own p50s; a hollow marker means that mode did not keep up

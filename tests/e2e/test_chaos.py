@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The short form of bench/chaos.py in CI: the real local stack (control plane, P, D, router, vLLM CPU
+"""The short form of `python -m bench.chaos` in CI: the real local stack (control plane, P, D, router, vLLM CPU
 engines) under steady mixed load while it is cut off, paused, killed and restarted, and fed colliding and
 malformed keys. Every request must end right (the reference engine's tokens) or fail in time with its
 reason, nothing may hang, and every KV block must be free again after each fault."""
@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench import chaos
+from bench.chaos.report import format_report
+from bench.chaos.runner import run
+from bench.chaos.settings import SHORT_ORDER, short_settings
 
 pytestmark = pytest.mark.engine
 
 
 def test_the_stack_keeps_its_guarantee_under_faults(model_dir, tmp_path):
-    result = chaos.run(chaos.short_settings(run_dir=tmp_path / "chaos", model_dir=model_dir), quiet=True)
-    report = chaos.format_report(result)
+    result = run(short_settings(run_dir=tmp_path / "chaos", model_dir=model_dir), quiet=True)
+    report = format_report(result)
     print(report)
-    assert [fault["fault"] for fault in result["faults"]] == list(chaos.SHORT_ORDER)
+    assert [fault["fault"] for fault in result["faults"]] == list(SHORT_ORDER)
     verdict = result["verdict"]
     missed = [name for name, held in verdict["targets"].items() if not held]
     assert not missed, f"targets missed: {missed}\n{report}"

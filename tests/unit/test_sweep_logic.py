@@ -1,11 +1,11 @@
 # SPDX-FileCopyrightText: 2026 The kvpush Authors
 # SPDX-License-Identifier: Apache-2.0
-"""The sweep's engine-free logic (bench/sweep.py, bench/sweep_report.py): run names, the grid, workloads and the target verdicts."""
+"""The sweep's engine-free logic (bench/sweep/grid.py, bench/sweep/report.py): run names, the grid, workloads and the target verdicts."""
 
 from __future__ import annotations
 
-from bench.sweep import Point, build_grid, make_workload, requests_for
-from bench.sweep_report import cpu_verdict, targets
+from bench.sweep.grid import Point, build_grid, make_workload, requests_for
+from bench.sweep.report import cpu_verdict, targets
 
 MODES = ("kvpush", "upstream-push", "pull")
 

@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The sweep's report: per-point tables, the kvpush breakdown, every mode from outside, and the targets.
 
-Reads the per-run JSON files `bench/sweep.py` writes (`<mode>_qps<q>_in<in>_out<out>_iter<i>.json`)
+Reads the per-run JSON files `python -m bench.sweep` writes (`<mode>_qps<q>_in<in>_out<out>_iter<i>.json`)
 and prints them as text tables (and Markdown), with the targets judged on the pooled p50s.
 """
 

@@ -1,0 +1,97 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""A chaos run's totals, its verdict against the targets and its text report."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+
+def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) -> dict[str, Any]:
+    """The targets: 0 hung, 0 wrong, every block free after each fault, failures answered in time with a reason, memory back."""
+    routed = [f["routed"] for f in faults]
+    direct = [f["direct"] for f in faults]
+    out = {
+        "hung": sum(r["hung"] for r in routed + direct),
+        "wrong": sum(r["wrong"] for r in routed + direct),
+        "faults_not_settled": [f["fault"] for f in faults if not f["kv"]["all_free"]],
+        "faults_not_recovered": [f["fault"] for f in faults if f["recovered_s"] is None],
+        "late_failures": sum(r["late_failures"] for r in routed),
+        "failures_without_reason": sum(r["failures_without_reason"] for r in routed),
+        "max_failure_minus_deadline_s": max((r["max_failure_minus_deadline_s"] for r in routed if r["max_failure_minus_deadline_s"] is not None), default=None),
+    }
+    collisions = [case for f in faults for case in f["notes"].get("collisions", [])]
+    out["collisions_ok"] = all(c["at_most_one_decode_answered"] and c["no_wrong_or_hung"] for c in collisions)
+    targets = {
+        "0 hung": out["hung"] == 0,
+        "0 wrong outputs": out["wrong"] == 0,
+        "0 blocks left allocated after any fault": not out["faults_not_settled"],
+        "every failure answered <= deadline + 1 s with its reason": out["late_failures"] == 0 and out["failures_without_reason"] == 0,
+        "router serves again after every fault": not out["faults_not_recovered"],
+        "colliding keys: at most one decode answered, never wrong": out["collisions_ok"],
+    }
+    if soak_checks is not None:
+        targets["control-plane memory back near its baseline after the soak"] = soak_checks["passed"]
+    out["targets"] = targets
+    out["passed"] = all(targets.values())
+    return out
+
+
+def summarize_totals(faults: list[dict[str, Any]]) -> dict[str, Any]:
+    total: dict[str, Any] = {"requests": 0, "ok": 0, "failed": 0, "hung": 0, "wrong": 0, "disconnected": 0, "failures_by_reason": collections.Counter()}
+    for fault in faults:
+        for part in ("routed", "direct"):
+            r = fault[part]
+            for key in ("requests", "ok", "failed", "hung", "wrong", "disconnected"):
+                total[key] += r[key]
+            if part == "routed":
+                total["failures_by_reason"].update(r["failures_by_reason"])
+    total["failures_by_reason"] = dict(sorted(total["failures_by_reason"].items()))
+    overs = [f["routed"]["max_failure_minus_deadline_s"] for f in faults if f["routed"]["max_failure_minus_deadline_s"] is not None]
+    total["max_failure_minus_deadline_s"] = max(overs) if overs else None
+    return total
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The figures as a text table: per fault, in total, the soak and the verdict."""
+    lines = []
+    deadline_ms = result["settings"]["timeout_ms"]
+    lines.append(f"chaos run {result['date']}: deadline {deadline_ms} ms, {result['settings']['clients']} clients, wall {result.get('wall_s')} s")
+    header = f"{'fault':<12}{'routed':>7}{'ok':>6}{'failed':>7}{'hung':>5}{'wrong':>6}{'disc':>5}{'fail-dl s':>10}{'late':>5}{'direct':>7}" \
+             f"{'recover s':>10}{'KV P free':>11}{'KV D free':>11}{'settle s':>9}"
+    lines.append(header)
+    for f in result["faults"]:
+        r, d, kv = f["routed"], f["direct"], f["kv"]
+        over = "-" if r["max_failure_minus_deadline_s"] is None else f"{r['max_failure_minus_deadline_s']:+.2f}"
+        recover = "never" if f["recovered_s"] is None else f"{f['recovered_s']:.1f}"
+        kv_p = f"{kv['free'].get('prefill')}/{kv['baseline_free'].get('prefill')}"
+        kv_d = f"{kv['free'].get('decode')}/{kv['baseline_free'].get('decode')}"
+        lines.append(f"{f['fault']:<12}{r['requests']:>7}{r['ok']:>6}{r['failed']:>7}{r['hung']:>5}{r['wrong']:>6}{r['disconnected']:>5}{over:>10}"
+                     f"{r['late_failures']:>5}{d['requests']:>7}{recover:>10}{kv_p:>11}{kv_d:>11}{kv['settle_s']:>9.1f}")
+    t = result["total"]
+    over = "-" if t["max_failure_minus_deadline_s"] is None else f"{t['max_failure_minus_deadline_s']:+.2f}"
+    lines.append(f"{'total':<12}{t['requests']:>7}{t['ok']:>6}{t['failed']:>7}{t['hung']:>5}{t['wrong']:>6}{t['disconnected']:>5}{over:>10}")
+    lines.append("(KV free: free/at start, after one tiny request to each engine; routed counts exclude the direct requests, totals include them)")
+    for f in result["faults"]:
+        if f["routed"]["failures_by_reason"]:
+            lines.append(f"failures by reason, {f['fault']}: " + ", ".join(f"{k} x{v}" for k, v in f["routed"]["failures_by_reason"].items()))
+        if f["direct"]["requests"]:
+            lines.append(f"direct requests, {f['fault']}: ok {f['direct']['ok']}, failed {f['direct']['failed']} "
+                         + "(" + ", ".join(f"{k} x{v}" for k, v in f["direct"]["failures_by_reason"].items()) + f"), hung {f['direct']['hung']}, "
+                         f"wrong {f['direct']['wrong']}")
+    soak_result = result.get("soak")
+    if soak_result and "error" in soak_result["checks"]:
+        lines.append(f"soak failed: {soak_result['checks']['error']}")
+    elif soak_result:
+        c = soak_result["checks"]
+        lines.append(f"soak ({soak_result['raw']['external']['attempts']} attempts): live attempts peak {c['peak_live_attempts']}, after {c['live_attempts_after']}; "
+                     f"RSS {c['rss_before_mib']} -> peak {c['rss_peak_mib']} -> after {c['rss_after_mib']} MiB (allowed {c['rss_allowed_after_mib']}); "
+                     f"PSS {c['pss_before_mib']} -> {c['pss_peak_mib']} -> {c['pss_after_mib']} MiB")
+        lines.append(f"soak memory_sizes (in-process): before {c['memory_sizes_before']}, peak {c['memory_sizes_peak']}, after {c['memory_sizes_after']}")
+    v = result["verdict"]
+    lines.append("targets:")
+    for name, held in v["targets"].items():
+        lines.append(f"  {'held  ' if held else 'MISSED'}  {name}")
+    lines.append(f"verdict: {'all targets held' if v['passed'] else 'targets missed'}")
+    return "\n".join(lines)

@@ -1,0 +1,72 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""A whole chaos run: the stack started, the faults injected under load, the soak, the result written."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.chaos.faults import Chaos
+from bench.chaos.log import Log
+from bench.chaos.report import summarize_totals, verdict
+from bench.chaos.settings import FAULTS, Settings
+from bench.chaos.soak import soak_both, soak_verdict
+from bench.chaos.stack import Stack
+from kvpush.tinymodel import build_tiny_model, default_model_dir
+
+
+def run(settings: Settings, *, quiet: bool = False) -> dict[str, Any]:
+    """Starts the stack, injects settings.faults under load, runs the soak if asked; returns the figures (also written to the run dir)."""
+    run_dir = settings.run_dir or Path("runs") / time.strftime("chaos-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = dataclasses.replace(settings, run_dir=run_dir)
+    log = Log(run_dir / "chaos.log", quiet=quiet)
+    unknown = [f for f in settings.faults if f not in FAULTS]
+    if unknown:
+        raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    started = time.monotonic()
+    model_dir = build_tiny_model(settings.model_dir or default_model_dir())
+    log(f"writing to {run_dir}; faults {', '.join(settings.faults)}; {settings.clients} clients; deadline {settings.timeout_ms} ms")
+    stack = Stack(settings, run_dir, model_dir, log)
+    result: dict[str, Any] = {"benchmark": "chaos", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv),
+                              "settings": settings.as_dict(), "cpus": os.cpu_count()}
+    faults: list[dict[str, Any]] = []
+    soak_result = soak_checks = None
+    try:
+        stack.start()
+        result["startup_s"] = round(time.monotonic() - started, 1)
+        chaos = Chaos(stack, settings, log)
+        for name in settings.faults:
+            faults.append(chaos.run_fault(name))
+        if settings.soak_attempts:
+            log(f"=== soak: {settings.soak_attempts} attempts in flight at once at the control plane")
+            try:
+                soak_result = asyncio.run(soak_both(stack, settings, log))
+                soak_checks = soak_verdict(soak_result)
+            except Exception as exc:  # the faults' figures are kept; the soak counts as missed
+                log(f"soak failed: {type(exc).__name__}: {exc}")
+                soak_result, soak_checks = {}, {"passed": False, "error": f"{type(exc).__name__}: {exc}"}
+            log(f"soak: {json.dumps(soak_checks)}")
+        result["logs"] = {name: str(run_dir / f"{name}.log") for name in ("prefill", "decode", "router", "reference")}
+        result["logs"]["control-plane"] = str(stack.cp_dir / "control-plane.log")
+        result["all_outcomes"] = len(chaos.load.outcomes)
+        with (run_dir / "outcomes.jsonl").open("w", encoding="utf-8") as handle:
+            for outcome in chaos.load.outcomes:
+                handle.write(json.dumps(dataclasses.asdict(outcome)) + "\n")
+    finally:
+        stack.close()
+    result["faults"] = faults
+    result["total"] = summarize_totals(faults)
+    if soak_result is not None:
+        result["soak"] = {"raw": soak_result, "checks": soak_checks}
+    result["verdict"] = verdict(faults, soak_checks)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    (run_dir / "result.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    return result

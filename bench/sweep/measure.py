@@ -1,0 +1,163 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""What is measured around a run: the engines' vLLM histograms, the KV each transfer moved, spans and CPU per thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from bench.sweep.grid import Point
+from bench.sweep.stacks import ModeStack
+from kvpush.localstack.control_plane import ControlPlaneHandle
+from kvpush.localstack.metrics import scrape_metrics
+from kvpush.report.breakdown import breakdown
+
+# Tiny-model geometry (kvpush.tinymodel): 2 layers × K and V × 2 KV heads × 64
+# channels × 4 bytes (float32) per token; vLLM CPU's block size.
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
+BLOCK_SIZE = 128
+
+# vLLM's per-engine histograms read around every run (sum and count deltas).
+ENGINE_HISTOGRAMS = {
+    "nixl_bytes": "vllm:nixl_bytes_transferred",
+    "nixl_transfer_s": "vllm:nixl_xfer_time_seconds",
+    "queue_s": "vllm:request_queue_time_seconds",
+    "prefill_s": "vllm:request_prefill_time_seconds",
+    "decode_s": "vllm:request_decode_time_seconds",
+    "ttft_s": "vllm:time_to_first_token_seconds",
+}
+SPANS_SETTLE_TIMEOUT_S = 10.0
+
+
+def histogram_totals(url: str) -> dict[str, dict[str, float]]:
+    """Sum and count of each ENGINE_HISTOGRAMS entry on one engine (absent ones are 0)."""
+    samples = scrape_metrics(url)
+    totals = {}
+    for key, name in ENGINE_HISTOGRAMS.items():
+        totals[key] = {part: sum(v for _, v in samples.get(f"{name}_{part}", [])) for part in ("sum", "count")}
+    return totals
+
+
+def histogram_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float | None]]:
+    """Per histogram: sum and count over the run and their mean (ms for times, bytes for sizes)."""
+    delta = {}
+    for key in ENGINE_HISTOGRAMS:
+        total = after[key]["sum"] - before[key]["sum"]
+        count = after[key]["count"] - before[key]["count"]
+        scale = 1.0 if key == "nixl_bytes" else 1000.0
+        delta[key] = {"sum": total, "count": count, "mean": total / count * scale if count else None}
+    return delta
+
+
+def expected_kv_bytes(input_len: int) -> int:
+    """The KV a request's transfer moves: the prompt's blocks, whole (kvpush writes a last partly filled block whole too)."""
+    return -(-input_len // BLOCK_SIZE) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+
+
+async def fetch_transfers(control_plane: ControlPlaneHandle, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], Any]:
+    """The broker's record of each (transfer_id, attempt); errors are returned in place of a record."""
+    from kvpush.client import BrokerClient, ClientConfig
+    from kvpush.rendezvous.v1 import rendezvous_service_pb2 as pb
+
+    results: dict[tuple[str, int], Any] = {}
+    async with BrokerClient(ClientConfig(target=control_plane.address, token=control_plane.token)) as broker:
+        for transfer_id, attempt in keys:
+            try:
+                response = await broker.get_transfer(pb.GetTransferRequest(transfer_id=transfer_id, attempt=attempt))
+                results[(transfer_id, attempt)] = response.transfer
+            except Exception as exc:  # recorded per transfer; one failed query must not end the sweep
+                results[(transfer_id, attempt)] = exc
+    return results
+
+
+def wait_for_spans(stack: ModeStack, offset: int, prefix: str, expected: int, need_engine_spans: bool) -> list[dict[str, Any]]:
+    """The spans written since `offset` once `expected` router requests of `prefix` are there (engine spans too for kvpush); bounded."""
+    deadline = time.monotonic() + SPANS_SETTLE_TIMEOUT_S
+    while True:
+        spans = stack.spans.read_since(offset)
+        result = breakdown(spans, request_id_prefix=prefix)
+        have = sum(r.complete for r in result.requests) if need_engine_spans else len(result.requests)
+        if have >= expected or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.3)
+
+
+def router_segments(spans: list[dict[str, Any]], prefix: str) -> dict[str, dict[str, float | None]]:
+    """Router-side timings per request of `prefix` (ms): P leg, router TTFT and what follows the P leg's answer."""
+    by_trace: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    per_request: dict[str, dict[str, float | None]] = {}
+    for root in spans:
+        if root["name"] != "router.request" or not str(root["attributes"].get("kvpush.client_request_id", "")).startswith(prefix):
+            continue
+        attempt = int(root["attributes"].get("kvpush.attempt", 0))
+        legs = {s["name"]: s for s in by_trace[root["trace_id"]] if s["name"] in ("router.prefill_leg", "router.decode_leg")
+                and int(s["attributes"].get("kvpush.attempt", attempt)) == attempt}
+        first = [e["time_ns"] for e in root["events"] if e["name"] == "first_token"]
+        prefill = legs.get("router.prefill_leg")
+        decode = legs.get("router.decode_leg")
+        ttft = (first[0] - root["start_ns"]) / 1e6 if first else None
+        p_leg = (prefill["end_ns"] - root["start_ns"]) / 1e6 if prefill else None
+        per_request[root["attributes"]["kvpush.client_request_id"]] = {
+            "router_ttft_ms": ttft,
+            "p_leg_ms": p_leg,
+            "after_p_leg_ms": None if ttft is None or p_leg is None else ttft - p_leg,
+            "d_leg_sent_ms": (decode["start_ns"] - root["start_ns"]) / 1e6 if decode else None,
+            "attempt": attempt,
+        }
+    return per_request
+
+
+
+def thread_breakdown(before: dict[str, float], after: dict[str, float], completed: int) -> dict[str, float]:
+    """CPU ms per completed request of each "<process>/<thread>" name that used at least 0.5 ms per request."""
+    used = {name: (seconds - before.get(name, 0.0)) * 1000 / completed for name, seconds in after.items()}
+    return dict(sorted(((n, round(ms, 2)) for n, ms in used.items() if ms >= 0.5), key=lambda item: -item[1]))
+
+
+def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
+    """kvpush.report's per-segment breakdown of the run (p50/p90/mean per segment, ms)."""
+    result = breakdown(spans, request_id_prefix=prefix)
+    rows = {row.name: {"p50": row.p50, "p90": row.p90, "mean": row.mean, "n": row.count} for row in result.rows() + result.detail_rows()}
+    return {"requests": len(result.requests), "complete": sum(r.complete for r in result.requests), "excluded": result.excluded,
+            "clamped": sum(r.clamped for r in result.requests), "rows": rows}
+
+
+def kvpush_kv_check(stack: ModeStack, spans: list[dict[str, Any]], prefix: str, point: Point) -> dict[str, Any]:
+    """The broker's bytes_written of every transfer of the run against the prompt's whole blocks."""
+    roots = [s for s in spans if s["name"] == "router.request" and str(s["attributes"].get("kvpush.client_request_id", "")).startswith(prefix)]
+    keys = [(s["attributes"].get("kvpush.transfer_id", ""), int(s["attributes"].get("kvpush.attempt", 1))) for s in roots]
+    transfers = asyncio.run(fetch_transfers(stack.control_plane, [k for k in keys if k[0]]))
+    expected = expected_kv_bytes(point.input_len)
+    written = [t.bytes_written for t in transfers.values() if not isinstance(t, Exception)]
+    errors = [str(t)[:200] for t in transfers.values() if isinstance(t, Exception)]
+    return {
+        "source": "broker GetTransfer(...).bytes_written",
+        "expected_per_request": expected,
+        "transfers": len(transfers),
+        "matching": sum(b == expected for b in written),
+        "distinct_values": sorted(set(written)),
+        "query_errors": errors[:3],
+        "ok": bool(written) and all(b == expected for b in written) and not errors,
+    }
+
+
+def upstream_kv_check(engines: dict[str, dict[str, dict[str, float | None]]], requests: int, point: Point) -> dict[str, Any]:
+    """NIXL bytes over the run (P and D `vllm:nixl_bytes_transferred`): one transfer of the prompt's blocks per request."""
+    total = sum(d["nixl_bytes"]["sum"] for d in engines.values())
+    count = sum(d["nixl_bytes"]["count"] for d in engines.values())
+    expected = expected_kv_bytes(point.input_len)
+    per_request = total / requests if requests else None
+    return {
+        "source": "vllm:nixl_bytes_transferred sum/count deltas on P and D",
+        "expected_per_request": expected,
+        "bytes_per_request": per_request,
+        "transfers": count,
+        "transfers_per_request": count / requests if requests else None,
+        "ok": requests > 0 and count == requests and per_request == expected,
+    }
