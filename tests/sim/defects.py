@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvpush.connector.consumer import ConsumerCore, Receive
 from kvpush.connector.decode_waits import DecodeWaits
+from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -74,7 +75,7 @@ def _early_order_skips_token_check():
             receive.parts_total[note.producer] = note.parts
         receive.needed = note.needed
 
-    return patched((ProducerCore, "_mismatch", staticmethod(lambda source, destination: (0, ""))), (ConsumerCore, "_count", count))
+    return patched((Posting, "_mismatch", staticmethod(lambda source, destination: (0, ""))), (ConsumerCore, "_count", count))
 
 
 def _first_part_counts_as_all():
@@ -141,13 +142,13 @@ def _decode_key_collision():
 
 def _prompt_not_compared():
     """7b. A colliding key with another prompt of as many tokens got that prompt's KV: only token counts were compared."""
-    original = ProducerCore._mismatch
+    original = Posting._mismatch
 
     def count_only(source, destination):
         reason, message = original(source, destination)
         return (reason, message) if reason == transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH else (0, "")
 
-    return patched((ProducerCore, "_mismatch", staticmethod(count_only)))
+    return patched((Posting, "_mismatch", staticmethod(count_only)))
 
 
 @dataclass(frozen=True)
