@@ -24,7 +24,7 @@ from kvpush.services.broker import checks
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.machine import AttemptMachine
 from kvpush.services.common.clock import timestamp
-from kvpush.sim.actors import Timing
+from kvpush.sim.simulation import Timing
 
 
 @contextlib.contextmanager
@@ -196,7 +196,7 @@ def search(first: int = 0, count: int = 20_000, wanted: int = 3) -> None:
     """Prints, per defect, the first seeds in which the simulation finds it."""
     import logging
 
-    from kvpush.sim.actors import Simulation
+    from kvpush.sim.simulation import Simulation
 
     logging.disable(logging.CRITICAL)
     for defect in SIMULATED:
