@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.handoff import DestinationReady
 from kvpush.connector.nixl_agent import HELLO
-from kvpush.connector.producer import NOTIF_PREFIX
+from kvpush.connector.notification import Notification, parse_notification
 from kvpush.connector.transfer_thread import TransferThread
 from kvpush.services.common.clock import Clock
 
@@ -52,34 +52,11 @@ class Receive:
 
 
 @dataclass
-class Notification:
-    key: Key
-    producer: int
-    needed: int
-    first_token: int
-    num_tokens: int
-    part: int = 1
-    parts: int = 1  # 0 on every part but the last
-
-
-@dataclass
 class UnclaimedNotifications:
     """Notifications that arrived before the scheduler said which request waits for them."""
 
     notes: list[Notification]
     first_seen: float
-
-
-def parse_notification(message: bytes) -> Notification | None:
-    """The notification's fields, or None if it is not a kvpush completion."""
-    fields = message.decode(errors="replace").split("|")
-    if fields[0] != NOTIF_PREFIX or len(fields) not in (7, 9):  # 7: a producer from before parts (one WRITE per rank)
-        return None
-    try:
-        transfer_id, numbers = fields[1], [int(f) for f in fields[2:]]
-    except ValueError:
-        return None
-    return Notification((transfer_id, numbers[0]), *numbers[1:])
 
 
 class ConsumerCore:

@@ -6,16 +6,13 @@ to NIXL only through a Transport, so the protocol simulation
 (kvpush.sim) drives the very same code the worker runs. Producer wraps it
 in the worker's transfer thread.
 
-Self-fencing (docs/design.md, "Fencing"): a rank posts a WRITE for an order
-only while (1) the order's budget, measured from the broker's send time,
-has not run out; (2) the order's stream is still the current one and its
-stream lease (renewed by every message, heartbeats included) holds; (3) no
-WRITE for that (transfer_id, attempt) was posted before; (4) its source
-holds every token the destination needs. The checks run again right before
-the post, after the CUDA sync and the plan build. A posted WRITE still in
-flight write_timeout later is aborted (its handle released before any
-progress call) and reported FAILED. A rank's answer to a revocation is the
-truth: REVOKED only when nothing was or will be posted.
+The core is the state machine: it takes sources, orders, revocations,
+closures and engine events, keeps one job per (transfer_id, attempt), and
+answers for each. Its WRITEs are posted by Posting (posting.py, where the
+self-fencing checks are). A posted WRITE still in flight write_timeout
+later is aborted (its handle released before any progress call) and
+reported FAILED. A rank's answer to a revocation is the truth: REVOKED only
+when nothing was or will be posted.
 """
 
 from __future__ import annotations
@@ -24,13 +21,14 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvpush.connector.handoff import SourceReady, prompt_digest
+from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.connector.posting import Posting
+from kvpush.connector.producer_records import FAILED, REVOKED, WRITTEN, Computing, Job, Key, Order, Source
 from kvpush.connector.transfer_thread import TransferThread
-from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan, build_write_plans, device_of, page_table_of
+from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan, device_of, page_table_of
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -38,23 +36,8 @@ from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 
-NOTIF_PREFIX = "kvpush1"
 # Answered keys remembered, so a repeated order or revocation gets the same truthful answer.
 OUTCOME_MEMORY = 100_000
-
-Key = tuple[str, int]
-WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
-
-
-def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int,
-                 part: int = 1, parts: int = 1) -> bytes:
-    """The completion notification a WRITE carries (transfer ids never contain '|'): it names the tokens written.
-
-    A layer-progressive transfer is several WRITEs (parts) from one rank;
-    each part's notification names its number, and only the last one the
-    count (0 before), so D knows when every part from this rank has landed.
-    """
-    return f"{NOTIF_PREFIX}|{transfer_id}|{attempt}|{producer_rank}|{expected}|{first_token}|{num_tokens}|{part}|{parts}".encode()
 
 
 class Transport(Protocol):
@@ -72,48 +55,7 @@ class Transport(Protocol):
     def notifications(self) -> dict[str, list[bytes]]: ...
 
 
-@dataclass
-class Source:
-    ready: SourceReady
-    hold_until: float
-    ready_ns: int
-    ready_event: object = None  # CUDA event to wait on before reading the blocks
-
-
-@dataclass
-class Order:
-    order: transfer_pb2.WriteOrder
-    stream: int  # the stream generation it came on
-    post_by: float  # monotonic: no WRITE for it after this
-    received_ns: int
-    sent_ns: int
-
-
-@dataclass
-class Computing:
-    """Layer-progressive push: a source whose forward is running, and its layers computed and posted so far."""
-
-    ready: SourceReady
-    done: set[int] = field(default_factory=set)
-    posted: set[int] = field(default_factory=set)
-    event: object = None  # CUDA event recorded after the newest computed layer
-
-
-@dataclass
-class Job:
-    key: Key
-    source: Source
-    order: Order
-    writes: list[PostedWrite] = field(default_factory=list)
-    post_ns: int = 0
-    abort_at: float = 0.0
-    failed: str = ""
-    parts: int = 0  # WRITEs posted per decode rank (layer-progressive push posts several)
-    more_parts: bool = False  # the last part is still to come (with the source)
-    posted_layers: frozenset[int] = frozenset()
-
-
-class ProducerCore:
+class ProducerCore(Posting):
     """One prefill rank's transfer state machine (single-threaded)."""
 
     def __init__(
@@ -199,6 +141,26 @@ class ProducerCore:
         if self._prefill_done is not None:
             # After the post: with an early order the WRITE is already on its way; the broker needs this only to match.
             self._prefill_done(ready)
+
+    def computing(self, ready: SourceReady) -> None:
+        """Layer-progressive push: this source's forward has started; its layers may be written as they are computed."""
+        key = (ready.transfer_id, ready.attempt)
+        if key not in self._closed and key not in self._outcomes and key not in self._sources:
+            self._computing[key] = Computing(ready)
+
+    def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
+        """A layer of these computing sources is in P's cache (after `event`, on GPU)."""
+        for key in keys:
+            computing = self._computing.get(key)
+            if computing is None:
+                continue
+            computing.done.add(layer)
+            computing.event = event
+            job = self._jobs.get(key)
+            if job is None:
+                self._try_start(key)
+            elif job.more_parts:
+                self._post_parts(key, job, final=False)
 
     def stream_opened(self, stream: int) -> None:
         """A new order stream replaces the old one: orders from the old one are void (the new one resyncs them)."""
@@ -352,165 +314,7 @@ class ProducerCore:
         """Orders not yet posted are void once their stream is gone or quiet: the broker resends what is still wanted."""
         self._orders.clear()
 
-    def computing(self, ready: SourceReady) -> None:
-        """Layer-progressive push: this source's forward has started; its layers may be written as they are computed."""
-        key = (ready.transfer_id, ready.attempt)
-        if key not in self._closed and key not in self._outcomes and key not in self._sources:
-            self._computing[key] = Computing(ready)
-
-    def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
-        """A layer of these computing sources is in P's cache (after `event`, on GPU)."""
-        for key in keys:
-            computing = self._computing.get(key)
-            if computing is None:
-                continue
-            computing.done.add(layer)
-            computing.event = event
-            job = self._jobs.get(key)
-            if job is None:
-                self._try_start(key)
-            elif job.more_parts:
-                self._post_parts(key, job, final=False)
-
-    def _try_start(self, key: Key) -> None:
-        source, order = self._sources.get(key), self._orders.get(key)
-        computing = self._computing.get(key) if source is None else None
-        if order is None or (source is None and (computing is None or not self._progressive_layers(key, None))):
-            return
-        destination = order.order.destination
-        peer = self._peers.get(destination.engine_id)
-        if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
-            return  # the registrar's view of the decode engine hasn't arrived yet
-        del self._orders[key]
-        ready = source.ready if source is not None else computing.ready
-        reason, mismatch = self._mismatch(ready, destination)
-        if mismatch:
-            # An early order bypasses the broker's token check, and only this rank holds the
-            # prompt: D must not decode on KV it never got or on another prompt's KV.
-            self._answer(key, REVOKED, reason, mismatch)
-            if source is not None:
-                del self._sources[key]
-                self._release(source)
-            return  # a computing source is released when it is ready: this key has its answer
-        if not self._may_post(order):
-            return
-        if source is None:
-            job = Job(key, Source(ready, self.clock.now() + ready.hold_s, self._wall_ns()), order, more_parts=True)
-        else:
-            job = Job(key, source, order)
-        self._post_parts(key, job, final=source is not None)
-
-    def _progressive_layers(self, key: Key, job: Job | None) -> frozenset[int]:
-        """Computed layers not yet posted, less the last layer: it goes with the source, in the part that ends the transfer."""
-        computing = self._computing.get(key)
-        if computing is None or not self.local.layers:
-            return frozenset()
-        posted = job.posted_layers if job is not None else frozenset()
-        return frozenset(computing.done - posted - {max(self.local.layers)})
-
-    def _post_parts(self, key: Key, job: Job, *, final: bool) -> None:
-        """Posts one part (every layer not yet posted when final, else the computed ones), fenced like any WRITE."""
-        order, ready = job.order, job.source.ready
-        if job.failed:
-            return  # stopped: nothing more is posted
-        layers = self._progressive_layers(key, job) if not final else (self.local.layers - job.posted_layers if job.parts else None)
-        if not final and not layers:
-            return
-        destination = order.order.destination
-        peer = self._peers.get(destination.engine_id)
-        if peer is None or peer.incarnation != destination.incarnation:
-            self._stop_parts(job, "the decode engine went away while the parts of its WRITE were being posted")
-            return
-        t0 = self._wall_ns()
-        try:
-            if not final and self._computing[key].event is not None:
-                self._computing[key].event.synchronize()  # the layers' forward has finished
-            plans = self._plan_writes(job.source, order, peer) if layers is None else self._plan_writes(job.source, order, peer, layers=layers)
-        except Exception as exc:  # a plan that cannot be built fails the attempt, loudly
-            logger.exception("kvpush producer: WRITE plan for %s could not be built", key)
-            if job.parts:
-                self._stop_parts(job, f"the WRITE plan could not be built: {exc}")
-            else:
-                self._answer(key, FAILED, 0, f"the WRITE plan could not be built: {exc}")
-            return
-        prep_ns = self._wall_ns()
-        if final:
-            self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(p.descriptors for p in plans))
-        if not job.parts:
-            if not self._may_post(job.order):
-                return  # the plan build or the CUDA sync outlasted the budget or the stream
-            self._jobs[key] = job
-            job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
-        elif not self._may_post_more(order):
-            self._stop_parts(job, "the order's stream or write budget ran out while the parts of its WRITE were being posted")
-            return
-        part = job.parts + 1
-        try:
-            for p in plans:
-                rank = peer.ranks[p.d_rank]
-                notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, p.expected, destination.first_token,
-                                     destination.num_tokens, part, part if final else 0)
-                if p.pages is not None:
-                    write = self.transport.post_pages(rank.agent, self._local_prepared, p.pages.local, rank.prepared, p.pages.remote,
-                                                      p.pages.bytes, notif)
-                else:
-                    write = self.transport.post_write(rank.agent, p.plan.src, p.plan.dst, p.plan.lengths, self.local.device,
-                                                      device_of(rank.layout), notif)
-                job.writes.append(write)
-        except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
-            logger.exception("kvpush producer: WRITE for %s could not be posted", key)
-            job.failed = str(exc)
-        job.parts = part
-        job.posted_layers |= layers if layers is not None else self.local.layers
-        job.more_parts = not final and not job.failed
-        post_ns = self._wall_ns()
-        if final:
-            self.spans.emit("p.write_post", prep_ns, post_ns, ready, writes=len(job.writes), parts=part)
-        if part == 1:
-            job.post_ns = post_ns
-            # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
-            # under P's request; the broker's context (D's registration for an early order) is a link.
-            self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
-                            links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
-        if job.failed and final:
-            self._finish(key, job, job.failed)
-
-    def _stop_parts(self, job: Job, why: str) -> None:
-        """No more parts for this job: it ends FAILED once the parts in flight are done (they may have landed)."""
-        job.failed = job.failed or why
-        job.more_parts = False
-
-    @staticmethod
-    def _mismatch(ready: SourceReady, destination: transfer_pb2.Destination) -> tuple[int, str]:
-        """Why this source cannot fill the destination (end reason, message), or (0, "")."""
-        needed = destination.first_token + destination.num_tokens
-        if ready.num_tokens < needed:
-            return transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, f"this prefill computed {ready.num_tokens} tokens; the destination needs {needed}"
-        if destination.prompt_digest and ready.prompt and prompt_digest(ready.prompt, needed) != destination.prompt_digest:
-            return transfer_pb2.END_REASON_PROMPT_MISMATCH, f"the destination needs the KV of another prompt than this prefill's first {needed} tokens"
-        return 0, ""
-
-    def _may_post(self, order: Order) -> bool:
-        """The self-fencing checks, run right before a post."""
-        now = self.clock.now()
-        if order.stream != self._stream or now >= self._stream_valid_until:
-            return False  # its stream is gone or quiet: the broker resends it on the next one if still wanted
-        if now >= order.post_by:
-            key = (order.order.key.transfer_id, order.order.key.attempt)
-            logger.warning("kvpush producer: order %s is past its write budget; not writing", key)
-            self._answer(key, REVOKED, 0, "the order's write budget ran out before the WRITE could be posted")
-            return False
-        return True
-
-    def _may_post_more(self, order: Order) -> bool:
-        """The self-fencing checks before a later part: as _may_post, but this rank has posted already, so it answers FAILED later."""
-        now = self.clock.now()
-        return order.stream == self._stream and now < self._stream_valid_until and now < order.post_by
-
-    def _build_plans(self, source: Source, order: Order, peer: Peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
-        if source.ready_event is not None:
-            source.ready_event.synchronize()  # the forward that wrote these blocks has finished
-        return build_write_plans(self.local, source.ready, order.order, peer, layers)
+    # ---- answers ---------------------------------------------------------------------
 
     def _finish(self, key: Key, job: Job, failure: str) -> None:
         done_ns = self._wall_ns()

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from kvpush.connector.consumer import ConsumerCore, Receive
 from kvpush.connector.decode_waits import DecodeWaits
+from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -23,7 +24,7 @@ from kvpush.services.broker import checks
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.machine import AttemptMachine
 from kvpush.services.common.clock import timestamp
-from kvpush.sim.actors import Timing
+from kvpush.sim.simulation import Timing
 
 
 @contextlib.contextmanager
@@ -74,7 +75,7 @@ def _early_order_skips_token_check():
             receive.parts_total[note.producer] = note.parts
         receive.needed = note.needed
 
-    return patched((ProducerCore, "_mismatch", staticmethod(lambda source, destination: (0, ""))), (ConsumerCore, "_count", count))
+    return patched((Posting, "_mismatch", staticmethod(lambda source, destination: (0, ""))), (ConsumerCore, "_count", count))
 
 
 def _first_part_counts_as_all():
@@ -141,13 +142,13 @@ def _decode_key_collision():
 
 def _prompt_not_compared():
     """7b. A colliding key with another prompt of as many tokens got that prompt's KV: only token counts were compared."""
-    original = ProducerCore._mismatch
+    original = Posting._mismatch
 
     def count_only(source, destination):
         reason, message = original(source, destination)
         return (reason, message) if reason == transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH else (0, "")
 
-    return patched((ProducerCore, "_mismatch", staticmethod(count_only)))
+    return patched((Posting, "_mismatch", staticmethod(count_only)))
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def search(first: int = 0, count: int = 20_000, wanted: int = 3) -> None:
     """Prints, per defect, the first seeds in which the simulation finds it."""
     import logging
 
-    from kvpush.sim.actors import Simulation
+    from kvpush.sim.simulation import Simulation
 
     logging.disable(logging.CRITICAL)
     for defect in SIMULATED:

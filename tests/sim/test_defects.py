@@ -16,7 +16,7 @@ from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import ManualClock
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
-from kvpush.sim.actors import Simulation
+from kvpush.sim.simulation import Simulation
 
 
 @pytest.mark.parametrize("defect", SIMULATED, ids=lambda d: f"defect-{d.number}")

@@ -7,8 +7,8 @@ import os
 import subprocess
 import sys
 
-from kvpush.sim.actors import Simulation
 from kvpush.sim.run import run_many, run_schedule
+from kvpush.sim.simulation import Simulation
 
 CI_SCHEDULES = 3000
 

@@ -131,7 +131,7 @@ def test_a_result_racing_with_take_results_is_not_lost():
 
 
 def core_source(req_id: str):
-    from kvpush.connector.producer import Source
+    from kvpush.connector.producer_records import Source
 
     return Source(SourceReady(req_id, "t", 1, req_id, "d", ((0,),), 4, 1.0, "", 0, 0), 0.0, 0)
 

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S, Consumer, ConsumerCore, Notification, parse_notification
+from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S, Consumer, ConsumerCore
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.nixl_agent import HELLO, KvAgent, PostedWrite
-from kvpush.connector.producer import Producer, ProducerCore, notification
+from kvpush.connector.notification import Notification, notification, parse_notification
+from kvpush.connector.producer import Producer, ProducerCore
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout, build_write_plans
 from kvpush.engine.v1 import engine_pb2

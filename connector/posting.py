@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A prefill rank's WRITE posting: when a job starts, the self-fencing checks before every post, and the parts of a layer-progressive push.
+
+Self-fencing (docs/design.md, "Fencing"): a rank posts a WRITE for an order
+only while (1) the order's budget, measured from the broker's send time,
+has not run out; (2) the order's stream is still the current one and its
+stream lease (renewed by every message, heartbeats included) holds; (3) no
+WRITE for that (transfer_id, attempt) was posted before; (4) its source
+holds every token the destination needs. The checks run again right before
+the post, after the CUDA sync and the plan build. A later part of a
+layer-progressive WRITE passes (1) and (2) again, or the job stops and ends
+FAILED once its parts in flight are done.
+
+Posting is a part of ProducerCore (producer.py), which keeps the records
+(_sources, _orders, _computing, _jobs, _peers, the stream) and answers the
+broker (_answer, _finish); split out so the fencing reads on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvpush.connector.handoff import SourceReady, prompt_digest
+from kvpush.connector.notification import notification
+from kvpush.connector.producer_records import FAILED, REVOKED, Job, Key, Order, Source
+from kvpush.connector.write_plans import Peer, WritePlan, build_write_plans, device_of
+from kvpush.rendezvous.v1 import transfer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Posting:
+    """ProducerCore's posting of WRITEs, fenced (a mixin: the state it reads and writes is the core's)."""
+
+    def _try_start(self, key: Key) -> None:
+        source, order = self._sources.get(key), self._orders.get(key)
+        computing = self._computing.get(key) if source is None else None
+        if order is None or (source is None and (computing is None or not self._progressive_layers(key, None))):
+            return
+        destination = order.order.destination
+        peer = self._peers.get(destination.engine_id)
+        if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
+            return  # the registrar's view of the decode engine hasn't arrived yet
+        del self._orders[key]
+        ready = source.ready if source is not None else computing.ready
+        reason, mismatch = self._mismatch(ready, destination)
+        if mismatch:
+            # An early order bypasses the broker's token check, and only this rank holds the
+            # prompt: D must not decode on KV it never got or on another prompt's KV.
+            self._answer(key, REVOKED, reason, mismatch)
+            if source is not None:
+                del self._sources[key]
+                self._release(source)
+            return  # a computing source is released when it is ready: this key has its answer
+        if not self._may_post(order):
+            return
+        if source is None:
+            job = Job(key, Source(ready, self.clock.now() + ready.hold_s, self._wall_ns()), order, more_parts=True)
+        else:
+            job = Job(key, source, order)
+        self._post_parts(key, job, final=source is not None)
+
+    @staticmethod
+    def _mismatch(ready: SourceReady, destination: transfer_pb2.Destination) -> tuple[int, str]:
+        """Why this source cannot fill the destination (end reason, message), or (0, "")."""
+        needed = destination.first_token + destination.num_tokens
+        if ready.num_tokens < needed:
+            return transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, f"this prefill computed {ready.num_tokens} tokens; the destination needs {needed}"
+        if destination.prompt_digest and ready.prompt and prompt_digest(ready.prompt, needed) != destination.prompt_digest:
+            return transfer_pb2.END_REASON_PROMPT_MISMATCH, f"the destination needs the KV of another prompt than this prefill's first {needed} tokens"
+        return 0, ""
+
+    def _may_post(self, order: Order) -> bool:
+        """The self-fencing checks, run right before a post."""
+        now = self.clock.now()
+        if order.stream != self._stream or now >= self._stream_valid_until:
+            return False  # its stream is gone or quiet: the broker resends it on the next one if still wanted
+        if now >= order.post_by:
+            key = (order.order.key.transfer_id, order.order.key.attempt)
+            logger.warning("kvpush producer: order %s is past its write budget; not writing", key)
+            self._answer(key, REVOKED, 0, "the order's write budget ran out before the WRITE could be posted")
+            return False
+        return True
+
+    def _may_post_more(self, order: Order) -> bool:
+        """The self-fencing checks before a later part: as _may_post, but this rank has posted already, so it answers FAILED later."""
+        now = self.clock.now()
+        return order.stream == self._stream and now < self._stream_valid_until and now < order.post_by
+
+    def _progressive_layers(self, key: Key, job: Job | None) -> frozenset[int]:
+        """Computed layers not yet posted, less the last layer: it goes with the source, in the part that ends the transfer."""
+        computing = self._computing.get(key)
+        if computing is None or not self.local.layers:
+            return frozenset()
+        posted = job.posted_layers if job is not None else frozenset()
+        return frozenset(computing.done - posted - {max(self.local.layers)})
+
+    def _post_parts(self, key: Key, job: Job, *, final: bool) -> None:
+        """Posts one part (every layer not yet posted when final, else the computed ones), fenced like any WRITE."""
+        order, ready = job.order, job.source.ready
+        if job.failed:
+            return  # stopped: nothing more is posted
+        layers = self._progressive_layers(key, job) if not final else (self.local.layers - job.posted_layers if job.parts else None)
+        if not final and not layers:
+            return
+        destination = order.order.destination
+        peer = self._peers.get(destination.engine_id)
+        if peer is None or peer.incarnation != destination.incarnation:
+            self._stop_parts(job, "the decode engine went away while the parts of its WRITE were being posted")
+            return
+        t0 = self._wall_ns()
+        try:
+            if not final and self._computing[key].event is not None:
+                self._computing[key].event.synchronize()  # the layers' forward has finished
+            plans = self._plan_writes(job.source, order, peer) if layers is None else self._plan_writes(job.source, order, peer, layers=layers)
+        except Exception as exc:  # a plan that cannot be built fails the attempt, loudly
+            logger.exception("kvpush producer: WRITE plan for %s could not be built", key)
+            if job.parts:
+                self._stop_parts(job, f"the WRITE plan could not be built: {exc}")
+            else:
+                self._answer(key, FAILED, 0, f"the WRITE plan could not be built: {exc}")
+            return
+        prep_ns = self._wall_ns()
+        if final:
+            self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(p.descriptors for p in plans))
+        if not job.parts:
+            if not self._may_post(job.order):
+                return  # the plan build or the CUDA sync outlasted the budget or the stream
+            self._jobs[key] = job
+            job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
+        elif not self._may_post_more(order):
+            self._stop_parts(job, "the order's stream or write budget ran out while the parts of its WRITE were being posted")
+            return
+        part = job.parts + 1
+        try:
+            for p in plans:
+                rank = peer.ranks[p.d_rank]
+                notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, p.expected, destination.first_token,
+                                     destination.num_tokens, part, part if final else 0)
+                if p.pages is not None:
+                    write = self.transport.post_pages(rank.agent, self._local_prepared, p.pages.local, rank.prepared, p.pages.remote,
+                                                      p.pages.bytes, notif)
+                else:
+                    write = self.transport.post_write(rank.agent, p.plan.src, p.plan.dst, p.plan.lengths, self.local.device,
+                                                      device_of(rank.layout), notif)
+                job.writes.append(write)
+        except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
+            logger.exception("kvpush producer: WRITE for %s could not be posted", key)
+            job.failed = str(exc)
+        job.parts = part
+        job.posted_layers |= layers if layers is not None else self.local.layers
+        job.more_parts = not final and not job.failed
+        post_ns = self._wall_ns()
+        if final:
+            self.spans.emit("p.write_post", prep_ns, post_ns, ready, writes=len(job.writes), parts=part)
+        if part == 1:
+            job.post_ns = post_ns
+            # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
+            # under P's request; the broker's context (D's registration for an early order) is a link.
+            self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
+                            links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
+        if job.failed and final:
+            self._finish(key, job, job.failed)
+
+    def _stop_parts(self, job: Job, why: str) -> None:
+        """No more parts for this job: it ends FAILED once the parts in flight are done (they may have landed)."""
+        job.failed = job.failed or why
+        job.more_parts = False
+
+    def _build_plans(self, source: Source, order: Order, peer: Peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
+        if source.ready_event is not None:
+            source.ready_event.synchronize()  # the forward that wrote these blocks has finished
+        return build_write_plans(self.local, source.ready, order.order, peer, layers)

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a prefill rank's transfer core keeps per transfer key: held sources, orders, computing sources and jobs, and the answers it gives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpush.connector.handoff import SourceReady
+from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.rendezvous.v1 import transfer_pb2
+
+Key = tuple[str, int]
+WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
+
+
+@dataclass
+class Source:
+    ready: SourceReady
+    hold_until: float
+    ready_ns: int
+    ready_event: object = None  # CUDA event to wait on before reading the blocks
+
+
+@dataclass
+class Order:
+    order: transfer_pb2.WriteOrder
+    stream: int  # the stream generation it came on
+    post_by: float  # monotonic: no WRITE for it after this
+    received_ns: int
+    sent_ns: int
+
+
+@dataclass
+class Computing:
+    """Layer-progressive push: a source whose forward is running, and its layers computed so far."""
+
+    ready: SourceReady
+    done: set[int] = field(default_factory=set)
+    event: object = None  # CUDA event recorded after the newest computed layer
+
+
+@dataclass
+class Job:
+    key: Key
+    source: Source
+    order: Order
+    writes: list[PostedWrite] = field(default_factory=list)
+    post_ns: int = 0
+    abort_at: float = 0.0
+    failed: str = ""
+    parts: int = 0  # WRITEs posted per decode rank (layer-progressive push posts several)
+    more_parts: bool = False  # the last part is still to come (with the source)
+    posted_layers: frozenset[int] = frozenset()

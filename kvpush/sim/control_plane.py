@@ -1,0 +1,246 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The simulated control plane (registrar and broker in one process) and its clients' side of it.
+
+Unary calls may be lost, doubled, delayed or time out (Rpc retries them as
+the kvpush client does); streams deliver in order and can break (EngineLink
+reopens them, and keeps an engine rank registered, as ControlSession does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpush.errors import KvpushError, Unavailable
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.services.broker.core import BrokerCore
+from kvpush.services.common import sample_engines as sample
+from kvpush.services.registrar.core import RegistrarCore
+from kvpush.sim.deployment import BLOCK_SIZE
+from kvpush.sim.world import Process, Stream
+
+if TYPE_CHECKING:
+    from kvpush.sim.simulation import Simulation
+
+
+class Rpc:
+    """Unary calls from a client process to the control plane, with the kvpush client's timeout and retries."""
+
+    def __init__(self, sim: Simulation, client: Process, caller: str):
+        self.sim = sim
+        self.client = client
+        self.caller = caller
+        self.cut_until = 0.0  # a network cut between this client and the control plane
+
+    def call(self, method: str, request, on_done=None, *, tries: int | None = None) -> None:
+        """on_done(response, error); error is Unavailable when no answer came in time after every try."""
+        state = {"done": False}
+        tries = tries or self.sim.timing.rpc_tries
+
+        def finish(response, error) -> None:
+            if not state["done"]:
+                state["done"] = True
+                if on_done is not None:
+                    on_done(response, error)
+
+        def attempt(n: int) -> None:
+            if state["done"]:
+                return
+            if self.sim.world.time >= self.cut_until:
+                self.sim.cp.receive(self, method, request, finish)
+            if n + 1 < tries:
+                self.client.later(self.sim.timing.rpc_timeout_s, attempt, n + 1)
+            else:
+                self.client.later(self.sim.timing.rpc_timeout_s, finish, None, Unavailable(f"{method}: no answer"))
+
+        attempt(0)
+
+    def reply(self, finish, response, error) -> None:
+        if self.sim.world.time >= self.cut_until:
+            self.sim.network.deliver(self.client, finish, response, error)
+
+
+class ControlPlane:
+    """Registrar and broker in one process (the embedded default); a kill loses all of their state."""
+
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.proc = Process(sim.world, "control-plane", sim.world.rng.uniform(-1, 1) * sim.faults.skew_s)
+        self.streams: list[tuple[Stream, object, str]] = []
+        self._lease_seq = 0
+        self.start()
+
+    def start(self) -> None:
+        self.registrar = RegistrarCore(self.sim.timing.registrar, self.proc, new_lease_id=self._new_lease_id)
+        self.broker = BrokerCore(self.registrar, self.sim.timing.broker, self.proc)
+        self.streams = []
+        self._next_tick = float("inf")
+        self._tick()
+
+    def _new_lease_id(self) -> str:
+        self._lease_seq += 1
+        return f"lease-{self._lease_seq}"
+
+    def receive(self, rpc: Rpc, method: str, request, finish) -> None:
+        self.sim.network.deliver(self.proc, self._handle, rpc, method, request, finish)
+
+    def _handle(self, rpc: Rpc, method: str, request, finish) -> None:
+        try:
+            response = self._dispatch(method, request, rpc.caller)
+            error = None
+        except KvpushError as exc:
+            response, error = None, exc
+        rpc.reply(finish, response, error)
+        self._tick()
+
+    def _dispatch(self, method: str, request, caller: str):
+        broker, registrar = self.broker, self.registrar
+        if method == "RegisterEngineRank":
+            return registrar.register(request)
+        if method == "KeepAlive":
+            return registrar.keep_alive(request.lease_ids, caller)
+        if method == "RegisterDestination":
+            return broker.register_destination(request, caller)
+        if method == "ReportPrefillDone":
+            return broker.report_prefill_done(request, caller)
+        if method == "ReportWriteResult":
+            return broker.report_write_result(request, caller)
+        if method == "CancelTransfer":
+            return broker.cancel(request.key, None if caller == "router" else caller, request.detail)
+        raise ValueError(method)
+
+    # ---- streams ----
+
+    def open_stream(self, kind: str, request, client: Process, caller: str, on_message, on_broken, on_refused) -> None:
+        """Opens a stream as the server would (on_refused, later, when the server refuses it)."""
+        stream = Stream(self.sim.network, client, on_message, on_broken)
+
+        def subscribe() -> None:
+            try:
+                if kind == "orders":
+                    subscription = self.broker.subscribe_producer(request, caller)
+                elif kind == "events":
+                    subscription = self.broker.subscribe_decode(request, caller)
+                else:
+                    subscription = self.registrar.watch(request.role)
+            except KvpushError as exc:
+                self.sim.network.deliver(client, on_refused, exc, lossy=False)
+                return
+            self.streams.append((stream, subscription, kind))
+            if kind == "orders":
+                self.proc.later(self.broker.heartbeat_interval_s, self._heartbeat, stream, subscription)
+            self._tick()
+
+        self.sim.network.deliver(self.proc, subscribe, lossy=False)
+
+    def _heartbeat(self, stream: Stream, subscription) -> None:
+        if stream.broken or not subscription.active:
+            return
+        if not len(subscription.outbox):
+            stream.send(self.broker.heartbeat())
+        self.proc.later(self.broker.heartbeat_interval_s, self._heartbeat, stream, subscription)
+
+    def _pump(self) -> None:
+        """Writes what every stream's outbox holds; ends streams the core closed or replaced."""
+        kept = []
+        for stream, subscription, kind in self.streams:
+            for item in subscription.outbox.drain():
+                stream.send(item)
+            active = subscription.active if kind != "watch" else not subscription.outbox.closed
+            if stream.broken or not active:
+                self._end_stream(stream, subscription, kind)
+                stream.break_(self.sim.network.delay())
+            else:
+                kept.append((stream, subscription, kind))
+        self.streams = kept
+
+    def _end_stream(self, stream, subscription, kind: str) -> None:
+        if kind == "watch":
+            self.registrar.unwatch(subscription)
+        else:
+            self.broker.unsubscribe(subscription)
+
+    def break_streams(self, client: Process | None, notice_after: float) -> None:
+        """Breaks every stream (to one client, or all); the server notices at once."""
+        for stream, _, _ in list(self.streams):
+            if client is None or stream.client is client:
+                stream.break_(notice_after)
+        self._pump()
+
+    def _tick(self, scheduled: float | None = None) -> None:
+        """Runs the cores' timers (what their DeadlineRunners do) and writes out what they queued."""
+        if scheduled is not None:
+            if scheduled != self._next_tick:
+                return  # superseded by an earlier one
+            self._next_tick = float("inf")
+        due = [t for t in (self.registrar.sweep(), self.broker.tick()) if t is not None]
+        self._pump()
+        if due and min(due) < self._next_tick:
+            self._next_tick = min(due)
+            self.proc.later(max(0.0, self._next_tick - self.proc.now()) + 1e-6, self._tick, self._next_tick)
+
+    def kill(self, downtime: float) -> None:
+        self.proc.kill()
+        for stream, _, _ in self.streams:
+            stream.break_(self.sim.network.delay())
+        self.streams = []
+        self.sim.world.at(self.sim.world.time + downtime, self._restart)
+
+    def _restart(self) -> None:
+        self.proc.revive()
+        self.start()
+
+
+class EngineLink:
+    """An engine rank's registration, keep-alive and streams to the control plane (what ControlSession does)."""
+
+    def __init__(self, sim: Simulation, proc: Process, rpc: Rpc, request: reg_pb.RegisterEngineRankRequest, on_ready):
+        self.sim, self.proc, self.rpc, self.request, self.on_ready = sim, proc, rpc, request, on_ready
+        self.lease_id = ""
+        self._register()
+
+    def _register(self) -> None:
+        def done(response, error) -> None:
+            if error is not None:
+                self.proc.later(self.sim.timing.reconnect_s, self._register)
+                return
+            first = not self.lease_id
+            self.lease_id = response.lease_id
+            if first:
+                self.proc.later(self._renew_every(), self._keep_alive)
+                self.on_ready()
+
+        self.rpc.call("RegisterEngineRank", self.request, done)
+
+    def _renew_every(self) -> float:
+        return self.sim.timing.registrar.default_lease_ttl_s / 3
+
+    def _keep_alive(self) -> None:
+        def done(response, error) -> None:
+            if error is None and self.lease_id in response.unknown_lease_ids:
+                self._register()
+
+        self.rpc.call("KeepAlive", reg_pb.KeepAliveRequest(lease_ids=[self.lease_id]), done, tries=1)
+        self.proc.later(self._renew_every(), self._keep_alive)
+
+    def follow(self, kind: str, request, on_open, on_message, on_lost) -> None:
+        """Keeps a stream open, reopening after it breaks or is refused."""
+
+        def reopen(*_args) -> None:
+            on_lost()
+            self.proc.later(self.sim.timing.reconnect_s, open_)
+
+        def open_() -> None:
+            if self.sim.world.time < self.rpc.cut_until:
+                self.proc.later(self.sim.timing.reconnect_s, open_)
+                return
+            on_open()
+            self.sim.cp.open_stream(kind, request, self.proc, self.rpc.caller, on_message, reopen, reopen)
+
+        open_()
+
+
+def rank_request(engine_id: str, role: int, incarnation: str, tp_rank: int, tp_size: int, ttl: float) -> reg_pb.RegisterEngineRankRequest:
+    request = sample.rank_request(engine_id, role, incarnation=incarnation, tp_rank=tp_rank, tp_size=tp_size, lease_ttl_s=ttl, block_size=BLOCK_SIZE)
+    request.nixl.agent_name = f"{engine_id}.{incarnation}.tp{tp_rank}"
+    request.nixl.agent_metadata = request.nixl.agent_name.encode()
+    return request

@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The simulated prefill engine: vLLM's scheduling of prefills (layer by layer when layer-progressive) around each rank's ProducerCore."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvpush.connector.handoff import SourceReady
+from kvpush.connector.producer import ProducerCore
+from kvpush.connector.write_plans import LocalLayout, WritePlan
+from kvpush.engine.v1 import engine_pb2
+from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.common import sample_engines as sample
+from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
+from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, prompt_id_of, prompt_of
+from kvpush.sim.nixl import ProducerTransport, SimPlan
+from kvpush.sim.world import Process
+
+if TYPE_CHECKING:
+    from kvpush.sim.simulation import Simulation
+
+
+class PrefillRank:
+    def __init__(self, engine: PrefillEngine, tp_rank: int):
+        self.engine = engine
+        sim = engine.sim
+        self.transport = ProducerTransport(engine.proc, sim.fabric, f"{P_ENGINE}.{engine.incarnation}.tp{tp_rank}",
+                                           sim.timing.write_time, sim.faults.stuck_writes, sim.violations)
+        kv_layout = engine_pb2.KvLayout(total_kv_heads=2, regions=[engine_pb2.KvRegion(layer_index=layer) for layer in sorted(LAYERS)])
+        layout = LocalLayout(kv_layout, tp_rank, engine.tp_size, 0)
+        self.core = ProducerCore(self.transport, layout, P_ENGINE, self._report, NoSpans(), engine.proc, plan_writes=self._plan)
+        self._stream = 0
+        self._next_step = float("inf")
+        request = rank_request(P_ENGINE, sample.PREFILL, engine.incarnation, tp_rank, engine.tp_size, sim.timing.registrar.default_lease_ttl_s)
+        self.link = EngineLink(sim, engine.proc, engine.rpc, request, self._linked)
+
+    def _linked(self) -> None:
+        orders = rv_pb.StreamWriteOrdersRequest(engine_id=P_ENGINE, incarnation=self.engine.incarnation, tp_rank=self.core.local.tp_rank, early_orders=True)
+        self.link.follow("orders", orders, self._opened, self._on_order_message, self._lost)
+        watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
+        self.link.follow("watch", watch, lambda: None, lambda m: self.handle(("engine", m)), lambda: None)
+
+    def _opened(self) -> None:
+        self._stream += 1
+        self.handle(("stream_opened", self._stream))
+
+    def _on_order_message(self, message) -> None:
+        self.handle(("stream", self._stream, message))
+
+    def _lost(self) -> None:
+        self.handle(("stream_lost", self._stream))
+
+    def _plan(self, source, order, peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
+        dest = order.order.destination
+        blocks = tuple(dest.blocks[0].block_ids)
+        # The bytes a WRITE moves are what the source holds of the destination's range,
+        # which prompt's KV they are, and of which layers.
+        tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token), prompt_id_of(source.ready.prompt),
+                  LAYERS if layers is None else layers)
+        return [WritePlan(d_rank, SimPlan(blocks, tokens), len(self.engine.ranks)) for d_rank in order.order.decode_tp_ranks]
+
+    def _report(self, request) -> None:
+        self.engine.rpc.call("ReportWriteResult", request)
+
+    def handle(self, item: tuple) -> None:
+        self.core.handle(item)
+        self.step()
+
+    def step(self) -> None:
+        self._next_step = float("inf")
+        due = self.core.step()
+        released, _ = self.core.take_released()
+        self.engine.released(released)
+        now = self.engine.proc.now()
+        if due is not None and due <= now:
+            due = now + self.engine.sim.timing.transfer_poll_s  # as the transfer thread: never sooner than its poll interval
+        if self.core.busy:
+            due = now + self.engine.sim.timing.transfer_poll_s if due is None else min(due, now + self.engine.sim.timing.transfer_poll_s)
+        if due is not None and due < self._next_step:
+            self._next_step = due
+            self.engine.proc.later(max(0.0, due - now), self._scheduled_step, due)
+
+    def _scheduled_step(self, due: float) -> None:
+        if due == self._next_step:
+            self.step()
+
+
+@dataclass
+class PrefillRequest:
+    req_id: str
+    key: tuple[str, int]
+    num_tokens: int
+    prompt_id: int
+    decode_engine: str
+    timeout_s: float
+    router_leg: object
+    done: bool = False
+    aborted: bool = False
+    computing: bool = False  # its last forward runs: the source is handed over at its end, aborted or not
+    held_by: set[int] = field(default_factory=set)  # ranks still holding the source
+
+
+class PrefillEngine:
+    def __init__(self, sim: Simulation):
+        self.sim = sim
+        self.tp_size = sim.world.rng.choice((1, 2))
+        self.proc = Process(sim.world, P_ENGINE, sim.world.rng.uniform(-1, 1) * sim.faults.skew_s)
+        self.rpc = Rpc(sim, self.proc, P_ENGINE)
+        self.incarnation_seq = 0
+        self.requests: dict[str, PrefillRequest] = {}
+        self.progressive = sim.variants.random() < 0.5  # layer-progressive push
+        self.start()
+
+    def start(self) -> None:
+        self.incarnation_seq += 1
+        self.incarnation = f"p-inc-{self.incarnation_seq}"
+        self.requests = {}
+        self.ranks = [PrefillRank(self, tp) for tp in range(self.tp_size)]
+
+    def leg(self, req_id: str, key, num_tokens: int, prompt_id: int, timeout_s: float, router_leg) -> None:
+        """The router's prefill leg arrives."""
+        request = PrefillRequest(req_id, key, num_tokens, prompt_id, D_ENGINE, timeout_s, router_leg)
+        self.requests[req_id] = request
+        rng = self.sim.world.rng
+        prefill_s = rng.uniform(*self.sim.timing.prefill_time)
+        if self.progressive:  # earlier chunks have no KV to push: the last forward starts somewhere in the prefill
+            forward_s = prefill_s * self.sim.variants.uniform(0.1, 0.7)
+            self.proc.later(prefill_s - forward_s, self._forward_starts, request, forward_s)
+        else:
+            self.proc.later(prefill_s, self._prefill_done, request)
+
+    def abort(self, req_id: str) -> None:
+        request = self.requests.get(req_id)
+        if request is not None and not request.done:
+            request.aborted = True
+            cancel = rv_pb.CancelTransferRequest(key=tr_pb.TransferKey(transfer_id=request.key[0], attempt=request.key[1]), detail="prefill aborted")
+            self.rpc.call("CancelTransfer", cancel)
+            if not request.computing:
+                del self.requests[req_id]
+
+    def _source(self, request: PrefillRequest) -> SourceReady:
+        blocks = tuple(range(-(-request.num_tokens // BLOCK_SIZE)))
+        return SourceReady(request.req_id, request.key[0], request.key[1], request.req_id, request.decode_engine, (blocks,),
+                           request.num_tokens, request.timeout_s, "", 0, 0, prompt_of(request.prompt_id, request.num_tokens))
+
+    def _forward_starts(self, request: PrefillRequest, forward_s: float) -> None:
+        """The last forward: each layer's KV is handed to the ranks as it is computed, the last with the source."""
+        if request.aborted or self.requests.get(request.req_id) is not request:
+            return
+        request.computing = True
+        ready = self._source(request)
+        for rank in self.ranks:
+            rank.handle(("computing", ready))
+        layers = sorted(LAYERS)
+        for i, layer in enumerate(layers[:-1]):
+            self.proc.later(forward_s * (i + 1) / len(layers), self._layer_done, request, layer)
+        self.proc.later(forward_s, self._prefill_done, request)
+
+    def _layer_done(self, request: PrefillRequest, layer: int) -> None:
+        if self.requests.get(request.req_id) is request:
+            for rank in self.ranks:
+                rank.handle(("layer", (request.key,), layer, None))
+
+    def _prefill_done(self, request: PrefillRequest) -> None:
+        if (request.aborted and not request.computing) or self.requests.get(request.req_id) is not request:
+            return
+        request.done = True
+        ready = self._source(request)
+        request.held_by = set(range(self.tp_size))
+        for rank in self.ranks:
+            rank.handle(("source", ready, None))
+        if request.aborted:
+            return  # its blocks were handed over with the forward: released by the ranks; the router has its answer
+        report = sample.prefill_done_request(request.key[0], request.key[1], incarnation=self.incarnation, num_tokens=request.num_tokens,
+                                             block_size=BLOCK_SIZE, timeout_s=request.timeout_s, decode_engine_id=request.decode_engine,
+                                             client_request_id=request.req_id)
+        self.rpc.call("ReportPrefillDone", report)
+        self.sim.network.deliver(self.sim.router.proc, self.sim.router.prefill_answered, request.router_leg, True, lossy=False)
+
+    def released(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+
+    def kill(self, downtime: float) -> None:
+        self.proc.kill()
+        for request in self.requests.values():
+            self.sim.network.deliver(self.sim.router.proc, self.sim.router.prefill_answered, request.router_leg, False, lossy=False)
+        self.requests = {}
+        self.ranks = []
+        self.sim.world.at(self.sim.world.time + downtime, self._restart)
+
+    def _restart(self) -> None:
+        self.proc.revive()
+        self.start()
+
+    def holds(self) -> list[str]:
+        out = []
+        for rank in self.ranks:
+            core = rank.core
+            out += [f"source {k}" for k in core._sources] + [f"order {k}" for k in core._orders] + [f"job {k}" for k in core._jobs]
+            out += [f"computing {k}" for k in core._computing]
+        return out

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One seeded schedule of the whole protocol: the simulated processes, the requests and the faults, and the checks once it quiesced.
+
+Each process runs kvpush's own code — RegistrarCore, BrokerCore,
+ProducerCore, ConsumerCore, DecodeWaits — and stands in only for what
+surrounds it: gRPC (control_plane.py), vLLM's scheduling (prefill and decode
+take time, blocks are allocated and freed: prefill.py, decode.py) and the
+router's retry policy (router.py).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.registrar.config import RegistrarConfig
+from kvpush.sim.checks import Violations
+from kvpush.sim.control_plane import ControlPlane
+from kvpush.sim.decode import DecodeEngine
+from kvpush.sim.nixl import Fabric
+from kvpush.sim.prefill import PrefillEngine
+from kvpush.sim.router import ClientRequest, Router
+from kvpush.sim.world import Faults, Network, World
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The schedule's time constants, scaled down from production so a schedule spans seconds."""
+
+    broker: BrokerConfig = BrokerConfig(
+        max_clock_skew_s=0.05, write_timeout_s=0.2, stream_lease_s=0.6, fence_margin_s=0.1, retention_s=2.0, max_timeout_s=30.0, outbox_capacity=64
+    )
+    registrar: RegistrarConfig = RegistrarConfig(default_lease_ttl_s=1.0, min_lease_ttl_s=0.2, max_lease_ttl_s=5.0)
+    hold_margin_s: float = 0.5
+    rpc_timeout_s: float = 0.3
+    rpc_tries: int = 3
+    reconnect_s: float = 0.1
+    engine_step_s: float = 0.01  # a decode engine's idle step while requests wait
+    transfer_poll_s: float = 0.002
+    write_time: tuple[float, float] = (0.001, 0.15)
+    prefill_time: tuple[float, float] = (0.02, 0.3)
+    decode_time: tuple[float, float] = (0.02, 0.2)
+    request_timeout: tuple[float, float] = (1.0, 3.0)
+    router_slack_s: float = 0.5
+    decode_blocks: int = 48
+
+
+class Simulation:
+    """One seeded schedule of requests and faults over the whole protocol."""
+
+    def __init__(self, seed: int, timing: Timing | None = None):
+        self.world = World(seed)
+        # Choices of how the engines work (not faults) draw from their own generator, so
+        # adding one leaves every schedule recorded before it (tests/sim/defects.py) as it was.
+        self.variants = random.Random(f"kvpush-sim-variants-{seed}")
+        self.timing = timing or Timing()
+        self.faults = Faults.draw(self.world.rng, self.timing.broker.max_clock_skew_s)
+        self.violations = Violations(clock=self.world)
+        self.network = Network(self.world, self.faults)
+        self.fabric = Fabric()
+        self._drifted: set[int] = set()
+        self.cp = ControlPlane(self)
+        self.prefill = PrefillEngine(self)
+        self.decode = DecodeEngine(self)
+        self.router = Router(self)
+
+    def drift(self, request: ClientRequest) -> int:
+        """Tokens the prefill engine computes beyond (negative: short of) what the decode engine registers."""
+        return -request.num_tokens // 2 if request.index in self._drifted else 0
+
+    def run(self, max_events: int = 200_000) -> Violations:
+        world, rng, timing = self.world, self.world.rng, self.timing
+        arrivals = 3.0
+        requests = [ClientRequest(i, f"t{i}", rng.choice((16, 40, 64, 100)), rng.uniform(*timing.request_timeout), 0.0) for i in range(rng.randint(3, 8))]
+        if rng.random() < 0.2:
+            self._drifted.add(rng.randrange(len(requests)))
+        for request in requests:
+            start = rng.uniform(0.3, arrivals)
+            request.deadline = start + request.timeout_s
+            world.at(start, self.router.proc.later, 0.0, self.router.submit, request)
+        self._schedule_faults(requests, arrivals)
+        world.run(arrivals + timing.request_timeout[1] + 8.0, max_events)
+        self._check_quiet(requests)
+        return self.violations
+
+    def _schedule_faults(self, requests: list[ClientRequest], horizon: float) -> None:
+        world, rng, f = self.world, self.world.rng, self.faults
+        when = lambda: rng.uniform(0.2, horizon + 1.0)  # noqa: E731
+        for _ in range(f.stream_resets):
+            world.at(when(), self._reset_streams)
+        for _ in range(f.lease_outages):
+            world.at(when(), self._cut, rng.choice((self.prefill, self.decode)), rng.uniform(0.5, 2.5))
+        for _ in range(f.pauses):
+            world.at(when(), self._pause, rng.uniform(0.2, 2.5))
+        for _ in range(f.kills):
+            world.at(when(), self._kill, rng.choice(("prefill", "decode", "control-plane")), rng.uniform(0.1, 1.5))
+        for _ in range(f.disconnects):
+            world.at(when(), self.router.proc.later, 0.0, self.router.disconnect, rng.choice(requests))
+        for i in range(f.collisions):
+            victim = rng.choice(requests)
+            twin = ClientRequest(1000 + i, f"c{i}", victim.num_tokens, victim.timeout_s, 0.0)
+            at = rng.uniform(0.3, horizon + 0.5)
+            twin.deadline = at + twin.timeout_s
+            world.at(at, self._collide, twin, victim)
+        for i in range(f.malformed):
+            bad = ClientRequest(2000 + i, f"m{i}", 40, 1.0, 0.0)
+            at = rng.uniform(0.3, horizon)
+            bad.deadline = at + bad.timeout_s
+            world.at(at, self.router.proc.later, 0.0, lambda b=bad: self.router.submit(b, malformed=True))
+
+    def _reset_streams(self) -> None:
+        rng = self.world.rng
+        self.cp.break_streams(rng.choice((self.prefill.proc, self.decode.proc, None)), rng.uniform(0.0, 1.0))
+
+    def _collide(self, twin: ClientRequest, victim: ClientRequest) -> None:
+        if victim.attempt:
+            self.router.submit(twin, collide_with=victim)
+
+    def _cut(self, engine, seconds: float) -> None:
+        """A network cut between an engine and the control plane (NIXL stays up)."""
+        engine.rpc.cut_until = self.world.time + seconds
+        self.cp.break_streams(engine.proc, self.world.rng.uniform(0.0, seconds))
+
+    def _pause(self, seconds: float) -> None:
+        self.prefill.proc.paused_until = self.world.time + seconds
+
+    def _kill(self, which: str, downtime: float) -> None:
+        {"prefill": self.prefill, "decode": self.decode, "control-plane": self.cp}[which].kill(downtime)
+
+    def _check_quiet(self, requests: list[ClientRequest]) -> None:
+        for request in self.router.requests:
+            if request.answered is None:
+                self.violations.add("hung", f"client request {request.index} never answered")
+        left = self.prefill.holds() + self.decode.holds()
+        if self.cp.proc.alive and self.cp.broker.unsettled_attempts:
+            left.append(f"{self.cp.broker.unsettled_attempts} unsettled attempts at the broker")
+        if len(self.decode.waits):
+            left.append(f"{len(self.decode.waits)} decode waits")
+        if left:
+            self.violations.add("leak", "; ".join(left[:8]))
