@@ -10,17 +10,22 @@ optionally verifies the transferred tokens and every other byte of its cache (`v
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.multiprocessing as torch_mp
 
 from kvpush.connector.nixl_agent import HELLO, KvAgent, MemoryRange
 from kvpush.layout.geometry import Plane, describe_layer
@@ -344,3 +349,79 @@ def environment(device: torch.device) -> dict:
         env["gpus"] = torch.cuda.device_count()
         env["clocks_at_start"] = gpu_clocks()
     return env
+
+
+# ---- the command line both benchmarks share ----------------------------------------------
+
+
+def add_common_options(parser: argparse.ArgumentParser, *, seed: int) -> None:
+    """Device, geometry of one TP8 rank of Qwen3-32B, samples, timeout and output."""
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--d-device", type=int, default=0, help="D's CUDA device index (P is on 0)")
+    parser.add_argument("--layers", type=int, default=64)
+    parser.add_argument("--kv-heads", type=int, default=1, help="local KV heads per rank (Qwen3-32B at TP8: 1)")
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=30, help="timed samples per cell")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed samples per cell, before the timed ones")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--out", required=True, help="JSON file for every sample")
+
+
+def check_common_options(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    if args.device == "cpu" and args.d_device:
+        parser.error("--d-device needs --device cuda")
+    return args
+
+
+def run_and_report(args: argparse.Namespace, run, lines) -> int:
+    """Runs `run(args, save)` (save writes --out after every step), prints `lines(result)`; 0 verified, 1 wrong bytes, 2 broke off."""
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save(result: dict) -> None:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    result = run(args, save)
+    print(json.dumps(result["environment"]))
+    print("\n".join(lines(result)))
+    if result["error"]:
+        print(f"run broke off:\n{result['error']}", file=sys.stderr)
+        return 2
+    return 0 if result["verified"] else 1
+
+
+def devices(args: argparse.Namespace) -> tuple[torch.device, torch.device]:
+    """P's and D's devices (P on GPU 0; on CPU one torch thread each: the two processes share the cores)."""
+    if args.device == "cuda":
+        return torch.device("cuda", 0), torch.device("cuda", args.d_device)
+    torch.set_num_threads(1)
+    return torch.device("cpu"), torch.device("cpu")
+
+
+def run_session(args: argparse.Namespace, geometry: Geometry, result: dict, save: Callable[[dict], None],
+                producer_side: Callable[[object], None], *, ipc_bytes: int = 0) -> dict:
+    """Spawns D, runs `producer_side(conn)` as P (it closes its ProducerSide at the end), and stops D whatever happened.
+
+    An exception is kept in result["error"] with what was measured before it.
+    """
+    _, d_device = devices(args)
+    options = {"d_device": str(d_device), "geometry": asdict(geometry), "timeout_s": args.timeout, "ipc_bytes": ipc_bytes}
+    context = torch_mp.get_context("spawn")
+    p_end, d_end = context.Pipe()
+    consumer = context.Process(target=consumer_main, args=(d_end, options), daemon=True)
+    consumer.start()
+    try:
+        producer_side(p_end)
+        consumer.join(timeout=args.timeout)
+        result["complete"] = True
+    except Exception:
+        result["error"] = traceback.format_exc()
+    finally:
+        if consumer.is_alive():  # D failed, or P failed and D still waits for it
+            consumer.terminate()
+            consumer.join(timeout=10)
+    if args.device == "cuda":
+        result["environment"]["clocks_at_end"] = gpu_clocks()
+    return result

@@ -37,26 +37,25 @@ copy; writes every sample to --out (after every cell).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-import traceback
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
-import torch.multiprocessing as torch_mp
 
 from bench.gpu_common import (
     Geometry,
     ProducerSide,
     Verdict,
-    consumer_main,
+    add_common_options,
+    check_common_options,
+    devices,
     environment,
-    gpu_clocks,
     median,
     percentile,
+    run_and_report,
+    run_session,
     synchronize,
 )
 from kvpush.layout.pages import merged_count, page_write
@@ -194,10 +193,7 @@ def time_event_copies(device: torch.device, sizes: list[int], target: torch.Tens
 def run(args: argparse.Namespace, save) -> dict:
     """The whole benchmark; `save(result)` is called after every cell, so a failure keeps what was measured."""
     cuda = args.device == "cuda"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    d_device = torch.device("cuda", args.d_device) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(1)
+    device, d_device = devices(args)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     random_tokens = [int(t) for t in args.random_tokens.split(",")] if args.random_tokens else tokens_list
     block_counts = {t: -(-t // args.block_size) for t in tokens_list + random_tokens}
@@ -209,14 +205,9 @@ def run(args: argparse.Namespace, save) -> dict:
     result = {"environment": environment(device), "device": str(device), "d_device": str(d_device), "geometry": asdict(geometry),
               "args": vars(args), "connect_ms": None, "prepare_ms": None, "ipc_error": None, "event_copies": [], "transfers": [],
               "summary": [], "complete": False, "error": None}
-    options = {"d_device": str(d_device), "geometry": asdict(geometry), "timeout_s": args.timeout,
-               "ipc_bytes": geometry.transfer_bytes(num_blocks * args.block_size // 2) if cuda and not args.no_ipc else 0}
-    context = torch_mp.get_context("spawn")
-    p_end, d_end = context.Pipe()
-    consumer = context.Process(target=consumer_main, args=(d_end, options), daemon=True)
-    consumer.start()
-    try:
-        producer = Producer(p_end, geometry, device, args.timeout)
+
+    def producer_side(conn) -> None:
+        producer = Producer(conn, geometry, device, args.timeout)
         result.update(connect_ms=producer.connect_ms, prepare_ms=producer.prepare_ms, ipc_error=producer.ipc_error)
         if cuda:
             sizes = sorted({geometry.transfer_bytes(t) for t in tokens_list})
@@ -228,16 +219,10 @@ def run(args: argparse.Namespace, save) -> dict:
                     result["summary"] = summarize(result)
                     save(result)
         producer.close()
-        consumer.join(timeout=args.timeout)
-        result["complete"] = True
-    except Exception:
-        result["error"] = traceback.format_exc()
-    finally:
-        if consumer.is_alive():  # D failed, or P failed and D still waits for it
-            consumer.terminate()
-            consumer.join(timeout=10)
-    if cuda:
-        result["environment"]["clocks_at_end"] = gpu_clocks()
+
+    ipc_bytes = geometry.transfer_bytes(num_blocks * args.block_size // 2) if cuda and not args.no_ipc else 0
+    run_session(args, geometry, result, save, producer_side, ipc_bytes=ipc_bytes)
+    result["verified"] = all(c["verified"] for c in result["transfers"])
     save(result)
     return result
 
@@ -289,56 +274,37 @@ def _percent(row: dict, key: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--d-device", type=int, default=0, help="D's CUDA device index (P is on 0)")
+    add_common_options(parser, seed=20261129)
     parser.add_argument("--tokens", default="1024,4096,16384,32768,65536", help="prompt lengths, consecutive block ids")
     parser.add_argument("--random-tokens", default="1024,16384", help="prompt lengths with randomly permuted block ids")
-    parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--kv-heads", type=int, default=1, help="local KV heads per rank (Qwen3-32B at TP8: 1)")
-    parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layout", choices=("layer-major", "block-major"), default="layer-major",
                         help="KV cache allocation: each layer's blocks together (vLLM's default) or each block's layers together")
     parser.add_argument("--num-blocks", type=int, default=0, help="blocks in each pool; default twice the largest request, plus block 0")
     parser.add_argument("--paths", default="merged,prepped")
     parser.add_argument("--ids", default=",".join(ID_KINDS))
     parser.add_argument("--d-work", default=",".join(D_WORK), help="what D does between samples: fill (poison its cache), idle")
-    parser.add_argument("--iters", type=int, default=30, help="timed samples per cell")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed samples per cell, before the timed ones")
     parser.add_argument("--no-ipc", action="store_true", help="copy within P instead of into D's memory through CUDA IPC")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
-    parser.add_argument("--seed", type=int, default=20261129)
-    parser.add_argument("--out", required=True, help="JSON file for every sample")
     args = parser.parse_args(argv)
     for name, allowed in (("paths", PATHS), ("ids", ID_KINDS), ("d_work", D_WORK)):
         unknown = set(getattr(args, name).split(",")) - set(allowed)
         if unknown:
             parser.error(f"--{name.replace('_', '-')}: unknown {sorted(unknown)}; choose from {allowed}")
-    if args.device == "cpu" and args.d_device:
-        parser.error("--d-device needs --device cuda")
-    return args
+    return check_common_options(parser, args)
+
+
+def report_lines(result: dict) -> list[str]:
+    lines = []
+    if result["connect_ms"] is not None:
+        lines.append(f"connection setup (add_peer + hello seen by D): {result['connect_ms']:.1f} ms; "
+                     f"page tables prepared in {result['prepare_ms']:.2f} ms")
+    if result["ipc_error"]:
+        lines.append(f"no copy through CUDA IPC: {result['ipc_error']}")
+    return [*lines, format_table(result)]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 all verified, 1 some bytes were wrong, 2 the run broke off (what was measured is in --out)."""
-    args = parse_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-
-    def save(result: dict) -> None:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    result = run(args, save)
-    print(json.dumps(result["environment"]))
-    if result["connect_ms"] is not None:
-        print(f"connection setup (add_peer + hello seen by D): {result['connect_ms']:.1f} ms; page tables prepared in {result['prepare_ms']:.2f} ms")
-    if result["ipc_error"]:
-        print(f"no copy through CUDA IPC: {result['ipc_error']}")
-    print(format_table(result))
-    if result["error"]:
-        print(f"run broke off:\n{result['error']}", file=sys.stderr)
-        return 2
-    return 0 if all(c["verified"] for c in result["transfers"]) else 1
+    return run_and_report(parse_args(argv), run, report_lines)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ nothing computing.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import threading
 import time
@@ -35,9 +33,21 @@ from dataclasses import asdict
 
 import numpy as np
 import torch
-import torch.multiprocessing as torch_mp
 
-from bench.gpu_common import Geometry, ProducerSide, Verdict, consumer_main, environment, gpu_clocks, median, percentile, synchronize
+from bench.gpu_common import (
+    Geometry,
+    ProducerSide,
+    Verdict,
+    add_common_options,
+    check_common_options,
+    devices,
+    environment,
+    median,
+    percentile,
+    run_and_report,
+    run_session,
+    synchronize,
+)
 from kvpush.layout.pages import page_write
 
 MODES = ("whole", "progressive", "one-layer")
@@ -146,54 +156,44 @@ class Producer(ProducerSide):
 
 
 def run(args: argparse.Namespace, save) -> dict:
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    d_device = torch.device("cuda", args.d_device) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(1)
+    device, d_device = devices(args)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     num_blocks = 2 * -(-max(tokens_list) // args.block_size) + 1
     geometry = Geometry(args.layers, args.kv_heads, args.head_size, args.block_size, num_blocks)
     result = {"environment": environment(device), "device": str(device), "d_device": str(d_device), "geometry": asdict(geometry),
               "args": vars(args), "cells": [], "complete": False, "error": None}
-    options = {"d_device": str(d_device), "geometry": asdict(geometry), "timeout_s": args.timeout, "ipc_bytes": 0}
-    context = torch_mp.get_context("spawn")
-    p_end, d_end = context.Pipe()
-    consumer = context.Process(target=consumer_main, args=(d_end, options), daemon=True)
-    consumer.start()
-    try:
-        producer = Producer(p_end, geometry, device, args.timeout, args.hidden, args.ffn, max(tokens_list))
+
+    def producer_side(conn) -> None:
+        producer = Producer(conn, geometry, device, args.timeout, args.hidden, args.ffn, max(tokens_list))
         for tokens in tokens_list:
             ids = np.arange(1, -(-tokens // args.block_size) + 1, dtype=np.int64)
             for mode in MODES:
-                cell = {"tokens": tokens, "mode": mode, "samples": [], "failures": []}
-                for i in range(args.warmup + args.iters):
-                    sample = producer.sample(mode, ids, tokens, args.seed + producer.transfers)
-                    if sample["verdict"] is not None and not Verdict(**sample["verdict"]).ok:
-                        cell["failures"].append(sample["verdict"])
-                    if i >= args.warmup:
-                        cell["samples"].append(sample)
-                for key in ("compute_ms", "tail_ms", "last_notif_ms"):
-                    values = [s[key] for s in cell["samples"]]
-                    cell[f"p50_{key}"], cell[f"p90_{key}"] = median(values), percentile(values, 90)
-                cell["verified"] = not cell["failures"]
-                result["cells"].append(cell)
-                print(f"  {tokens:>6} {mode:<11} compute p50 {cell['p50_compute_ms']:9.3f} ms  tail p50 {cell['p50_tail_ms']:8.3f} "
-                      f"p90 {cell['p90_tail_ms']:8.3f} ms  {'ok' if cell['verified'] else 'WRONG BYTES'}", flush=True)
+                result["cells"].append(measure_cell(producer, mode, ids, tokens, args))
                 save(result)
         producer.close()
-        consumer.join(timeout=args.timeout)
-        result["complete"] = True
-    except Exception:
-        result["error"] = traceback.format_exc()
-    finally:
-        if consumer.is_alive():
-            consumer.terminate()
-            consumer.join(timeout=10)
-    if cuda:
-        result["environment"]["clocks_at_end"] = gpu_clocks()
+
+    run_session(args, geometry, result, save, producer_side)
+    result["verified"] = all(c["verified"] for c in result["cells"])
     save(result)
     return result
+
+
+def measure_cell(producer: Producer, mode: str, ids: np.ndarray, tokens: int, args: argparse.Namespace) -> dict:
+    """Warm-ups plus timed samples of one (prompt length, mode), each verified by D."""
+    cell = {"tokens": tokens, "mode": mode, "samples": [], "failures": []}
+    for i in range(args.warmup + args.iters):
+        sample = producer.sample(mode, ids, tokens, args.seed + producer.transfers)
+        if sample["verdict"] is not None and not Verdict(**sample["verdict"]).ok:
+            cell["failures"].append(sample["verdict"])
+        if i >= args.warmup:
+            cell["samples"].append(sample)
+    for key in ("compute_ms", "tail_ms", "last_notif_ms"):
+        values = [s[key] for s in cell["samples"]]
+        cell[f"p50_{key}"], cell[f"p90_{key}"] = median(values), percentile(values, 90)
+    cell["verified"] = not cell["failures"]
+    print(f"  {tokens:>6} {mode:<11} compute p50 {cell['p50_compute_ms']:9.3f} ms  tail p50 {cell['p50_tail_ms']:8.3f} "
+          f"p90 {cell['p90_tail_ms']:8.3f} ms  {'ok' if cell['verified'] else 'WRONG BYTES'}", flush=True)
+    return cell
 
 
 def format_table(result: dict) -> str:
@@ -215,41 +215,16 @@ def format_table(result: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--d-device", type=int, default=0)
+    add_common_options(parser, seed=20261201)
     parser.add_argument("--tokens", default="4096,16384,65536")
-    parser.add_argument("--layers", type=int, default=64)
-    parser.add_argument("--kv-heads", type=int, default=1)
-    parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=5120, help="the simulated layer's input width (Qwen3-32B: 5120)")
     parser.add_argument("--ffn", type=int, default=6144, help="the simulated layer's output width per matmul")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--seed", type=int, default=20261201)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    if args.device == "cpu" and args.d_device:
-        parser.error("--d-device needs --device cuda")
-    return args
+    return check_common_options(parser, parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-
-    def save(result: dict) -> None:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
-    result = run(args, save)
-    print(json.dumps(result["environment"]))
-    print(format_table(result))
-    if result["error"]:
-        print(f"run broke off:\n{result['error']}", file=sys.stderr)
-        return 2
-    return 0 if all(c["verified"] for c in result["cells"]) else 1
+    """Exit status: 0 all verified, 1 some bytes were wrong, 2 the run broke off (what was measured is in --out)."""
+    return run_and_report(parse_args(argv), run, lambda result: [format_table(result)])
 
 
 if __name__ == "__main__":
