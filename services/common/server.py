@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvpush.services.common.auth import TokenAuthInterceptor
 from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.rpc_metrics import RpcMetricsInterceptor
 from kvpush.services.common.tokens import IdentityTokens
 from kvpush.services.common.tracing_interceptor import TracingInterceptor
 
@@ -83,17 +84,19 @@ async def build_server(
     config: ServerConfig,
     services: Sequence[Service],
     *,
+    registry: CollectorRegistry,
     tokens: IdentityTokens | None = None,
     tracer_provider: trace.TracerProvider | None = None,
     serving: bool = True,
 ) -> RunningServer:
-    """Builds, binds and starts a grpc.aio server for services, with health, reflection, auth and tracing.
+    """Builds, binds and starts a grpc.aio server for services, with health, reflection, auth, tracing and RPC metrics (into registry).
 
     Token mode (no TLS in config) needs tokens. With serving=False the
     services start NOT_SERVING (e.g. until a directory is synced); the
     overall health ("") is SERVING either way once started.
     """
-    interceptors: list[grpc.aio.ServerInterceptor] = [TracingInterceptor(tracer_provider)]
+    # Outermost first: the metrics count what auth refuses and time the span too.
+    interceptors: list[grpc.aio.ServerInterceptor] = [RpcMetricsInterceptor(registry), TracingInterceptor(tracer_provider)]
     if not config.mtls:
         if tokens is None:
             raise ValueError("token mode needs the identity tokens")
