@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -24,6 +24,7 @@ from kvpush.services.common.tokens import IdentityTokens
 from kvpush.services.common.tracing_interceptor import TracingInterceptor
 
 logger = logging.getLogger(__name__)
+ResultT = TypeVar("ResultT")
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -198,7 +199,7 @@ async def serve_until_signalled(
     return 1 if failed else 0
 
 
-def run_event_loop(main: Awaitable[int]) -> int:
+def run_event_loop(main: Awaitable[ResultT]) -> ResultT:
     """Runs main on uvloop when it is installed (faster gRPC streams), else on asyncio's default loop."""
     try:
         import uvloop
