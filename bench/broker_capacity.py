@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """How many rendezvous per second one `kvpush control-plane` process sustains, and how fast orders arrive.
 
-Starts the control plane as a subprocess on 127.0.0.1:0, registers a fake
+Starts the control plane as kvpush.localstack does (127.0.0.1:0, its own
+process group, its log in a temporary work directory), registers a fake
 prefill engine (one rank, no early orders, so the broker does the match)
 and a fake decode engine over real RPCs, then drives RegisterDestination +
 ReportPrefillDone pairs from this process (alternating which side arrives
@@ -23,13 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import os
 import pathlib
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +37,7 @@ import grpc
 from kvpush.client import BrokerClient, ClientConfig
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.errors import KvpushError
+from kvpush.localstack.control_plane import DEFAULT_ENGINE_IDS, start_control_plane
 from kvpush.processes import cpu_seconds
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
@@ -48,7 +47,7 @@ from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import SystemClock
-from kvpush.services.common.tokens import create_tokens
+from kvpush.services.common.server import run_event_loop
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 
@@ -56,7 +55,7 @@ TARGET_RATE = 2_000
 TARGET_P99_MS = 5.0
 ASPIRATION_RATE = 10_000
 CALL_TIMEOUT_S = 5.0
-START_TIMEOUT_S = 20.0
+START_TIMEOUT_S = 20.0  # for the order stream to open
 TRANSFER_TIMEOUT_S = 300.0  # no attempt may expire while the benchmark runs
 TOKENS = 256
 
@@ -87,55 +86,6 @@ def core_only(count: int) -> dict:
     elapsed = time.perf_counter() - started
     assert len(orders.outbox) == count
     return {"phase": "core alone", "rendezvous_per_s": count / elapsed}
-
-
-class ControlPlaneProcess:
-    """`kvpush control-plane` on 127.0.0.1 port 0, stopped by PID."""
-
-    def __init__(self, workdir: pathlib.Path, keep_otel_env: bool):
-        self.port_file = workdir / "port"
-        # Each fake engine calls with its own token.
-        self.tokens_dir = workdir / "tokens"
-        create_tokens(self.tokens_dir, ["prefill-0", "decode-0"])
-        env = dict(os.environ) if keep_otel_env else {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvpush.cli",
-                "--log-level",
-                "WARNING",
-                "control-plane",
-                "--listen",
-                "127.0.0.1:0",
-                "--port-file",
-                str(self.port_file),
-                "--tokens-dir",
-                str(self.tokens_dir),
-                "--lease-ttl",
-                "30",
-                "--max-lease-ttl",
-                "60",
-            ],
-            env=env,
-        )
-
-    def wait_port(self) -> int:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.port_file.exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the control plane did not start")
-            time.sleep(0.05)
-        return int(self.port_file.read_text())
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
 
 
 class StreamSender:
@@ -412,21 +362,15 @@ def main() -> int:
                         help="one unary call per message, or the engines' EngineReports streams (as the connector sends them)")
     parser.add_argument("--keep-otel-env", action="store_true", help="pass OTEL_* variables on to the control plane")
     args = parser.parse_args()
+    # OTEL_* of this shell would make the control plane trace (and export) what is being measured.
+    env = {} if args.keep_otel_env else dict.fromkeys((name for name in os.environ if name.startswith("OTEL_")), None)
     with tempfile.TemporaryDirectory(prefix="kvpush-bench-") as workdir:
-        plane = ControlPlaneProcess(pathlib.Path(workdir), args.keep_otel_env)
+        plane = start_control_plane(pathlib.Path(workdir), env=env, extra_args=["--lease-ttl", "30", "--max-lease-ttl", "60"])
         try:
-            port = plane.wait_port()
-            tokens = {path.name: path.read_text().strip() for path in plane.tokens_dir.iterdir()}
-            try:
-                import uvloop
-            except ImportError:
-                results = asyncio.run(run(args, port, tokens, plane.process.pid))
-            else:
-                with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                    results = runner.run(run(args, port, tokens, plane.process.pid))
+            tokens = {identity: plane.token_file_of(identity).read_text().strip() for identity in DEFAULT_ENGINE_IDS}
+            results = run_event_loop(run(args, plane.port, tokens, plane.process.pid))
         finally:
-            with contextlib.suppress(Exception):
-                plane.stop()
+            plane.stop()
     report(core_only(20_000), results, args)
     return 0
 

@@ -86,6 +86,7 @@ async def start(
             Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth)),
             Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, auth)),
         ],
+        registry=registry,
         tokens=tokens,
         tracer_provider=tracer_provider,
     )

@@ -69,13 +69,14 @@ def _tokens_dir(work_dir: Path) -> Path:
     return work_dir / "tokens"
 
 
-def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str] | None = None, extra_args: Sequence[str] = (),
+def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str | None] | None = None, extra_args: Sequence[str] = (),
                         engine_ids: Sequence[str] = DEFAULT_ENGINE_IDS, log_path: Path | None = None,
                         name: str = "control-plane") -> ControlPlaneHandle:
     """Starts the embedded control plane and waits until it serves (bounded).
 
     The router and engine_ids get tokens (kept across restarts in the same
     work_dir); the log goes to work_dir/control-plane.log unless `log_path`.
+    `env` changes the inherited environment (None unsets a variable).
     """
     work_dir.mkdir(parents=True, exist_ok=True)
     create_tokens(_tokens_dir(work_dir), [ROUTER_IDENTITY, *engine_ids])

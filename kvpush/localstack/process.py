@@ -37,13 +37,19 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
+def _environment(changes: Mapping[str, str | None]) -> dict[str, str]:
+    """The current environment with changes applied (None unsets a variable)."""
+    environment = {**os.environ, **changes}
+    return {name: value for name, value in environment.items() if value is not None}
+
+
 class GroupProcess:
     """A child that leads its own process group (id = its PID), its output appended to `log_path` after the command line.
 
-    `env` is added on top of the current environment.
+    `env` is applied to the current environment: a value sets its variable, None unsets it.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, cwd: Path | None = None):
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: Mapping[str, str | None] | None = None, cwd: Path | None = None):
         self.name = name
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +57,7 @@ class GroupProcess:
             log.write(("$ " + " ".join(argv) + "\n").encode())
             log.flush()
             self.popen = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+                                          env=_environment(env or {}), cwd=cwd, start_new_session=True)
 
     @property
     def pid(self) -> int:

@@ -67,6 +67,7 @@ async def serve(
     running = await build_server(
         server_config,
         [Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, auth))],
+        registry=registry,
         tokens=tokens,
         serving=False,
     )

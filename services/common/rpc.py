@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Servicer plumbing: kvpush errors become rich statuses, outboxes drain into streams."""
+"""Servicer plumbing: kvpush errors become rich statuses, outboxes drain into streams, the code a call ended with."""
 
 from __future__ import annotations
 
@@ -41,6 +41,15 @@ def rpc_method(method):
             await context.abort_with_status(status.to_status(Internal("internal error; see the server log", reason=Reason.INTERNAL)))
 
     return wrapper
+
+
+def final_status_code(context: grpc.aio.ServicerContext, error: BaseException | None) -> grpc.StatusCode:
+    """The status code a call ends with, seen from around its handler (error: what the handler raised, if anything)."""
+    if isinstance(error, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED
+    if error is not None and not isinstance(error, grpc.aio.AbortError):
+        return grpc.StatusCode.UNKNOWN
+    return context.code() or grpc.StatusCode.OK
 
 
 def _tag_transfer(request) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,10 +19,12 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvpush.services.common.auth import TokenAuthInterceptor
 from kvpush.services.common.config import ServerConfig
+from kvpush.services.common.rpc_metrics import RpcMetricsInterceptor
 from kvpush.services.common.tokens import IdentityTokens
 from kvpush.services.common.tracing_interceptor import TracingInterceptor
 
 logger = logging.getLogger(__name__)
+ResultT = TypeVar("ResultT")
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, Any]]:
@@ -83,17 +85,19 @@ async def build_server(
     config: ServerConfig,
     services: Sequence[Service],
     *,
+    registry: CollectorRegistry,
     tokens: IdentityTokens | None = None,
     tracer_provider: trace.TracerProvider | None = None,
     serving: bool = True,
 ) -> RunningServer:
-    """Builds, binds and starts a grpc.aio server for services, with health, reflection, auth and tracing.
+    """Builds, binds and starts a grpc.aio server for services, with health, reflection, auth, tracing and RPC metrics (into registry).
 
     Token mode (no TLS in config) needs tokens. With serving=False the
     services start NOT_SERVING (e.g. until a directory is synced); the
     overall health ("") is SERVING either way once started.
     """
-    interceptors: list[grpc.aio.ServerInterceptor] = [TracingInterceptor(tracer_provider)]
+    # Outermost first: the metrics count what auth refuses and time the span too.
+    interceptors: list[grpc.aio.ServerInterceptor] = [RpcMetricsInterceptor(registry), TracingInterceptor(tracer_provider)]
     if not config.mtls:
         if tokens is None:
             raise ValueError("token mode needs the identity tokens")
@@ -195,7 +199,7 @@ async def serve_until_signalled(
     return 1 if failed else 0
 
 
-def run_event_loop(main: Awaitable[int]) -> int:
+def run_event_loop(main: Awaitable[ResultT]) -> ResultT:
     """Runs main on uvloop when it is installed (faster gRPC streams), else on asyncio's default loop."""
     try:
         import uvloop

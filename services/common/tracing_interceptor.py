@@ -14,7 +14,6 @@ that write with context.write(), so each stream fails with TypeError
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 
@@ -25,6 +24,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from kvpush.services.common.auth import HEALTH_METHOD_PREFIX
+from kvpush.services.common.rpc import final_status_code
 
 TRACER_NAME = "kvpush.services.rpc"
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -45,12 +45,7 @@ def _carrier(metadata) -> dict[str, str]:
 
 
 def _finish(span: trace.Span, context: grpc.aio.ServicerContext, error: BaseException | None) -> None:
-    if isinstance(error, asyncio.CancelledError):
-        code = grpc.StatusCode.CANCELLED
-    elif error is not None and not isinstance(error, grpc.aio.AbortError):
-        code = grpc.StatusCode.UNKNOWN
-    else:
-        code = context.code() or grpc.StatusCode.OK
+    code = final_status_code(context, error)
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code in SERVER_FAULT_CODES:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {context.details() or ''}"))

@@ -37,6 +37,7 @@ async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, 
     running = await build_server(
         server_config,
         [Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth))],
+        registry=registry,
         tokens=tokens,
     )
     leases = DeadlineRunner(registrar.sweep, clock, "lease expiry")

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from kvpush.report.breakdown import DETAILS
 from kvpush.services.broker.metrics import BrokerMetrics
+from kvpush.services.common.rpc_metrics import RpcMetricsInterceptor
 from kvpush.services.router.app import REQUEST_SPAN
 from kvpush.services.router.core import Endpoint, EnginePool
 from kvpush.services.router.legs import LEG_SPANS
@@ -94,6 +95,7 @@ def test_dashboard_metrics_exist_in_kvpush_registries_or_spanmetrics():
     registry = CollectorRegistry()
     RouterMetrics(pools, registry)
     BrokerMetrics(registry)
+    RpcMetricsInterceptor(registry)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     known = {family.name + suffix for family in registry.collect() for suffix in suffixes[family.type]}
     # The collector's Prometheus exporter names span metrics <namespace>_duration_<unit>_bucket.
@@ -102,9 +104,9 @@ def test_dashboard_metrics_exist_in_kvpush_registries_or_spanmetrics():
     assert connector["histogram"]["unit"] == "ms"
     used = set()
     for expr in queries():
-        used |= set(re.findall(r"\b((?:kvpush|traces)_[a-z_]+)\b", expr))
+        used |= set(re.findall(r"\b((?:kvpush|traces|grpc_server)_[a-z_]+)\b", expr))
     assert used and used <= known, used - known
-    assert "kvpush_router_time_to_first_token_seconds_bucket" in used
+    assert {"kvpush_router_time_to_first_token_seconds_bucket", "grpc_server_handled_total", "grpc_server_handling_seconds_bucket"} <= used
 
 
 def test_dashboard_panels_are_well_formed():

@@ -39,6 +39,15 @@ def test_kill_ends_the_whole_group(tmp_path):
     assert process.returncode == -signal.SIGKILL
 
 
+def test_env_sets_and_unsets_variables_of_the_inherited_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPUSH_TEST_INHERITED", "kept")
+    monkeypatch.setenv("KVPUSH_TEST_UNSET", "dropped")
+    script = 'echo "$KVPUSH_TEST_INHERITED ${KVPUSH_TEST_UNSET-unset} $KVPUSH_TEST_SET"'
+    process = GroupProcess("env", ["sh", "-c", script], tmp_path / "env.log", env={"KVPUSH_TEST_UNSET": None, "KVPUSH_TEST_SET": "set"})
+    assert process.popen.wait(timeout=30) == 0
+    assert process.tail().splitlines()[-1] == "kept unset set"
+
+
 def test_wait_for_port_file(tmp_path):
     port_file = tmp_path / "port"
     writer = GroupProcess("writer", [sys.executable, "-c", f"open({str(port_file)!r}, 'w').write('4321\\n'); import time; time.sleep(60)"],
