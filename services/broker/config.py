@@ -1,30 +1,37 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Broker settings: timeout bound, fencing timing, memory bounds and stream queue sizes."""
+"""Broker settings: timeout bound, fencing timing, memory bounds, stream queue sizes and the registrar it mirrors."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from kvpush.services.common.config import add_option
+from kvpush.settings import Settings, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class BrokerConfig:
+class BrokerConfig(Settings):
     """Bounds on what the broker accepts and remembers."""
 
     # max_timeout_s caps RegisterDestination/ReportPrefillDone timeouts.
-    max_timeout_s: float = 600.0
+    max_timeout_s: float = setting(
+        600.0, flag="--max-timeout", env="KVPUSH_MAX_TIMEOUT_S", convert=float, positive=True, help="longest transfer timeout accepted"
+    )
     # max_unsettled_attempts caps attempts still live or waiting to be fenced.
-    max_unsettled_attempts: int = 200_000
+    max_unsettled_attempts: int = setting(
+        200_000, flag="--max-attempts", env="KVPUSH_MAX_ATTEMPTS", convert=int, at_least=1, help="most transfer attempts live or awaiting fencing at once"
+    )
     # retention_s keeps settled attempts (answers to repeats, tombstones
     # refusing late or superseded messages) this long after they settle.
-    retention_s: float = 60.0
+    retention_s: float = setting(60.0, flag="--retention", env="KVPUSH_RETENTION_S", convert=float, at_least=0, help="seconds ended attempts are remembered")
     # max_retained_attempts caps settled attempts kept, oldest dropped first.
-    max_retained_attempts: int = 500_000
+    max_retained_attempts: int = setting(
+        500_000, flag="--max-retained-attempts", env="KVPUSH_MAX_RETAINED_ATTEMPTS", convert=int, at_least=1, help="most ended attempts remembered"
+    )
     # outbox_capacity is how many messages may wait for one stream; past it
     # the stream is closed and its subscriber resyncs on its next stream.
-    outbox_capacity: int = 65_536
+    outbox_capacity: int = setting(
+        65_536, flag="--outbox-capacity", env="KVPUSH_OUTBOX_CAPACITY", convert=int, at_least=1, help="messages queued per stream before it is reset"
+    )
     max_text_length: int = 256
     # Fencing timing (docs/design.md, "Fencing"). max_clock_skew_s bounds the
     # difference between any two hosts' wall clocks; write_timeout_s is how
@@ -32,62 +39,33 @@ class BrokerConfig:
     # is how long a producer rank acts on orders after the last message its
     # stream brought; fence_margin_s covers an abort's own latency and clock
     # rate drift.
-    max_clock_skew_s: float = 0.25
-    write_timeout_s: float = 3.0
-    stream_lease_s: float = 3.0
-    fence_margin_s: float = 1.0
+    max_clock_skew_s: float = setting(
+        0.25, flag="--max-clock-skew", env="KVPUSH_MAX_CLOCK_SKEW_S", convert=float, at_least=0, help="largest wall-clock difference between hosts"
+    )
+    write_timeout_s: float = setting(
+        3.0, flag="--write-timeout", env="KVPUSH_WRITE_TIMEOUT_S", convert=float, positive=True, help="seconds a posted WRITE may take before it is aborted"
+    )
+    stream_lease_s: float = setting(
+        3.0, flag="--stream-lease", env="KVPUSH_STREAM_LEASE_S", convert=float, help="seconds a producer acts on orders after its stream's last message"
+    )
+    fence_margin_s: float = setting(
+        1.0, flag="--fence-margin", env="KVPUSH_FENCE_MARGIN_S", convert=float, positive=True, help="slack added to every fencing bound"
+    )
 
     def __post_init__(self) -> None:
-        if self.max_timeout_s <= 0 or self.retention_s < 0:
-            raise ValueError("max_timeout_s must be positive and retention_s not negative")
-        if min(self.max_unsettled_attempts, self.max_retained_attempts, self.outbox_capacity) < 1:
-            raise ValueError("attempt caps and outbox capacity must be at least 1")
-        if self.max_clock_skew_s < 0 or min(self.write_timeout_s, self.fence_margin_s) <= 0:
-            raise ValueError("max_clock_skew_s must not be negative; write_timeout_s and fence_margin_s must be positive")
+        super().__post_init__()
         if self.stream_lease_s <= self.max_clock_skew_s:
-            raise ValueError(f"stream_lease_s ({self.stream_lease_s:g}) must exceed max_clock_skew_s ({self.max_clock_skew_s:g})")
+            raise ValueError(f"--stream-lease ({self.stream_lease_s:g}) must exceed --max-clock-skew ({self.max_clock_skew_s:g})")
 
     @property
     def startup_grace_s(self) -> float:
         """How long a new broker vouches for no fencing: a predecessor's orders may be acted on that long."""
         return self.stream_lease_s + self.write_timeout_s + self.fence_margin_s
 
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_option(parser, "--max-timeout", "KVPUSH_MAX_TIMEOUT_S", convert=float, default=600.0, help_text="longest transfer timeout accepted")
-        add_option(
-            parser,
-            "--max-attempts",
-            "KVPUSH_MAX_ATTEMPTS",
-            convert=int,
-            default=200_000,
-            help_text="most transfer attempts live or awaiting fencing at once",
-        )
-        add_option(parser, "--retention", "KVPUSH_RETENTION_S", convert=float, default=60.0, help_text="seconds ended attempts are remembered")
-        add_option(
-            parser,
-            "--max-retained-attempts",
-            "KVPUSH_MAX_RETAINED_ATTEMPTS",
-            convert=int,
-            default=500_000,
-            help_text="most ended attempts remembered",
-        )
-        add_option(parser, "--outbox-capacity", "KVPUSH_OUTBOX_CAPACITY", convert=int, default=65_536, help_text="messages queued per stream before it is reset")
-        add_option(parser, "--max-clock-skew", "KVPUSH_MAX_CLOCK_SKEW_S", convert=float, default=0.25, help_text="largest wall-clock difference between hosts")
-        add_option(parser, "--write-timeout", "KVPUSH_WRITE_TIMEOUT_S", convert=float, default=3.0, help_text="seconds a posted WRITE may take before it is aborted")
-        add_option(parser, "--stream-lease", "KVPUSH_STREAM_LEASE_S", convert=float, default=3.0, help_text="seconds a producer acts on orders after its stream's last message")
-        add_option(parser, "--fence-margin", "KVPUSH_FENCE_MARGIN_S", convert=float, default=1.0, help_text="slack added to every fencing bound")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BrokerConfig:
-        return cls(
-            max_timeout_s=args.max_timeout,
-            max_unsettled_attempts=args.max_attempts,
-            retention_s=args.retention,
-            max_retained_attempts=args.max_retained_attempts,
-            outbox_capacity=args.outbox_capacity,
-            max_clock_skew_s=args.max_clock_skew,
-            write_timeout_s=args.write_timeout,
-            stream_lease_s=args.stream_lease,
-            fence_margin_s=args.fence_margin,
-        )
+@dataclasses.dataclass(frozen=True)
+class UpstreamRegistrar(Settings):
+    """The registrar a broker running alone mirrors engines from."""
+
+    target: str = setting("127.0.0.1:50052", flag="--registrar", env="KVPUSH_REGISTRAR", help="registrar address (host:port)")
+    timeout_s: float = setting(5.0, flag="--registrar-timeout", env="KVPUSH_REGISTRAR_TIMEOUT_S", convert=float, help="deadline of each call to the registrar")

@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
-from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.broker.config import BrokerConfig, UpstreamRegistrar
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.broker.remote_directory import RemoteEngineDirectory
 from kvpush.services.common.auth import AUTHORIZATION_KEY, BEARER_PREFIX, Authenticator
 from kvpush.services.common.clock import SystemClock
-from kvpush.services.common.config import ServerConfig, add_option
+from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
 from kvpush.services.common.tokens import BROKER_IDENTITY, IdentityTokens, server_tokens
@@ -26,10 +26,9 @@ from kvpush.telemetry import configure_tracing
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    ServerConfig.add_arguments(parser, default_listen="127.0.0.1:50053")
+    ServerConfig.add_arguments(parser, listen="127.0.0.1:50053")
     BrokerConfig.add_arguments(parser)
-    add_option(parser, "--registrar", "KVPUSH_REGISTRAR", default="127.0.0.1:50052", help_text="registrar address (host:port)")
-    add_option(parser, "--registrar-timeout", "KVPUSH_REGISTRAR_TIMEOUT_S", convert=float, default=5.0, help_text="deadline of each call to the registrar")
+    UpstreamRegistrar.add_arguments(parser)
 
 
 def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Channel:
@@ -54,13 +53,11 @@ def _registrar_metadata(tokens: IdentityTokens | None) -> tuple[tuple[str, str],
     return ((AUTHORIZATION_KEY, BEARER_PREFIX + token),)
 
 
-async def serve(
-    server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar_target: str, registrar_timeout_s: float
-) -> int:
+async def serve(server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar: UpstreamRegistrar) -> int:
     configure_tracing("kvpush-broker")
     clock = SystemClock()
-    channel = _registrar_channel(server_config, registrar_target)
-    directory = RemoteEngineDirectory(reg_grpc.RegistrarServiceStub(channel), metadata=_registrar_metadata(tokens), rpc_timeout_s=registrar_timeout_s)
+    channel = _registrar_channel(server_config, registrar.target)
+    directory = RemoteEngineDirectory(reg_grpc.RegistrarServiceStub(channel), metadata=_registrar_metadata(tokens), rpc_timeout_s=registrar.timeout_s)
     registry = CollectorRegistry()
     broker = BrokerCore(directory, broker_config, clock, metrics=BrokerMetrics(registry))
     auth = Authenticator(mtls=server_config.mtls)
@@ -94,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
         server_config = ServerConfig.from_args(args)
         tokens = server_tokens(server_config)
         _registrar_metadata(tokens)  # a missing `broker` token stops the start here, with a clear message
-        configs = (server_config, BrokerConfig.from_args(args), tokens)
+        configs = (server_config, BrokerConfig.from_args(args), tokens, UpstreamRegistrar.from_args(args))
     except (ValueError, OSError) as exc:
         print(f"kvpush broker: {exc}", file=sys.stderr)
         return 2
-    return run_event_loop(serve(*configs, args.registrar, args.registrar_timeout))
+    return run_event_loop(serve(*configs))

@@ -3,34 +3,14 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import pathlib
 import secrets
-from collections.abc import Callable
-from typing import Any
+
+from kvpush.settings import Settings, setting
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-def add_option(
-    parser: argparse.ArgumentParser,
-    flag: str,
-    env: str,
-    *,
-    default: Any = None,
-    convert: Callable[[str], Any] = str,
-    help_text: str,
-) -> None:
-    """Adds --flag whose default comes from the environment variable env, else default."""
-    raw = os.environ.get(env, "")
-    try:
-        value = convert(raw) if raw else default
-    except ValueError as exc:
-        raise SystemExit(f"{env}={raw!r} is not valid: {exc}") from None
-    shown = "unset" if default is None else default
-    parser.add_argument(flag, type=convert, default=value, help=f"{help_text} (env {env}; default {shown})")
 
 
 def write_private_file(path: pathlib.Path, content: str) -> None:
@@ -43,7 +23,7 @@ def write_private_file(path: pathlib.Path, content: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class ServerConfig:
+class ServerConfig(Settings):
     """How a service listens and authenticates.
 
     Without TLS files the service runs in token mode: each caller presents
@@ -52,71 +32,45 @@ class ServerConfig:
     their certificate's common name.
     """
 
-    listen: str = "127.0.0.1:50051"
-    port_file: pathlib.Path | None = None
-    tokens_dir: pathlib.Path | None = None
-    tls_cert: pathlib.Path | None = None
-    tls_key: pathlib.Path | None = None
-    tls_ca: pathlib.Path | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    grace_s: float = 5.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    listen: str = setting("127.0.0.1:50051", flag="--listen", env="KVPUSH_LISTEN", help="address to serve on; port 0 picks a free port")
+    port_file: pathlib.Path | None = setting(None, flag="--port-file", env="KVPUSH_PORT_FILE", convert=pathlib.Path, help="file to write the bound port to")
+    tokens_dir: pathlib.Path | None = setting(
+        None,
+        flag="--tokens-dir",
+        env="KVPUSH_TOKENS_DIR",
+        convert=pathlib.Path,
+        help="directory of per-identity tokens: each file is named after an identity (router, broker or an engine id) and holds its token",
+    )
+    tls_cert: pathlib.Path | None = setting(
+        None, flag="--tls-cert", env="KVPUSH_TLS_CERT", convert=pathlib.Path, help="server certificate (PEM); enables mutual TLS"
+    )
+    tls_key: pathlib.Path | None = setting(None, flag="--tls-key", env="KVPUSH_TLS_KEY", convert=pathlib.Path, help="server private key (PEM)")
+    tls_ca: pathlib.Path | None = setting(
+        None, flag="--tls-ca", env="KVPUSH_TLS_CA", convert=pathlib.Path, help="CA bundle (PEM) client certificates must chain to"
+    )
+    metrics_port: int | None = setting(
+        None, flag="--metrics-port", env="KVPUSH_METRICS_PORT", convert=int, help="serve Prometheus metrics over HTTP on this port (0 = any free port)"
+    )
+    metrics_host: str = setting("127.0.0.1", flag="--metrics-host", env="KVPUSH_METRICS_HOST", help="address the metrics endpoint binds")
+    grace_s: float = setting(5.0, flag="--grace", env="KVPUSH_GRACE_S", convert=float, at_least=0, help="seconds in-flight calls get at shutdown")
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES,
+        flag="--max-message-bytes",
+        env="KVPUSH_MAX_MESSAGE_BYTES",
+        convert=int,
+        at_least=1024,
+        help="largest request or response message accepted",
+    )
 
     @property
     def mtls(self) -> bool:
         return self.tls_cert is not None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         tls = (self.tls_cert, self.tls_key, self.tls_ca)
         if any(tls) and not all(tls):
             raise ValueError("mutual TLS needs --tls-cert, --tls-key and --tls-ca together")
-        if self.grace_s < 0:
-            raise ValueError("--grace must not be negative")
-        if self.max_message_bytes < 1024:
-            raise ValueError("--max-message-bytes must be at least 1024")
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser, *, default_listen: str = "127.0.0.1:50051") -> None:
-        path = pathlib.Path
-        add_option(parser, "--listen", "KVPUSH_LISTEN", default=default_listen, help_text="address to serve on; port 0 picks a free port")
-        add_option(parser, "--port-file", "KVPUSH_PORT_FILE", convert=path, help_text="file to write the bound port to")
-        add_option(
-            parser,
-            "--tokens-dir",
-            "KVPUSH_TOKENS_DIR",
-            convert=path,
-            help_text="directory of per-identity tokens: each file is named after an identity (router, broker or an engine id) and holds its token",
-        )
-        add_option(parser, "--tls-cert", "KVPUSH_TLS_CERT", convert=path, help_text="server certificate (PEM); enables mutual TLS")
-        add_option(parser, "--tls-key", "KVPUSH_TLS_KEY", convert=path, help_text="server private key (PEM)")
-        add_option(parser, "--tls-ca", "KVPUSH_TLS_CA", convert=path, help_text="CA bundle (PEM) client certificates must chain to")
-        add_option(parser, "--metrics-port", "KVPUSH_METRICS_PORT", convert=int, help_text="serve Prometheus metrics over HTTP on this port (0 = any free port)")
-        add_option(parser, "--metrics-host", "KVPUSH_METRICS_HOST", default="127.0.0.1", help_text="address the metrics endpoint binds")
-        add_option(parser, "--grace", "KVPUSH_GRACE_S", convert=float, default=5.0, help_text="seconds in-flight calls get at shutdown")
-        add_option(
-            parser,
-            "--max-message-bytes",
-            "KVPUSH_MAX_MESSAGE_BYTES",
-            convert=int,
-            default=DEFAULT_MAX_MESSAGE_BYTES,
-            help_text="largest request or response message accepted",
-        )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServerConfig:
-        return cls(
-            listen=args.listen,
-            port_file=args.port_file,
-            tokens_dir=args.tokens_dir,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_ca=args.tls_ca,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            grace_s=args.grace,
-            max_message_bytes=args.max_message_bytes,
-        )
 
     def write_port(self, port: int) -> None:
         if self.port_file is not None:

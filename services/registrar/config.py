@@ -3,26 +3,43 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from kvpush.services.common.config import add_option
+from kvpush.settings import Settings, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class RegistrarConfig:
+class RegistrarConfig(Settings):
     """Lease bounds (requested TTLs are clamped into [min, max]), caps and per-request limits.
 
     max_engines and max_watches_per_identity bound what one caller (or a
     leaked credential) can make the registrar hold.
     """
 
-    default_lease_ttl_s: float = 10.0
-    min_lease_ttl_s: float = 1.0
-    max_lease_ttl_s: float = 60.0
-    watch_queue_capacity: int = 10_000
-    max_engines: int = 4096
-    max_watches_per_identity: int = 64
+    default_lease_ttl_s: float = setting(
+        10.0, flag="--lease-ttl", env="KVPUSH_LEASE_TTL_S", convert=float, help="lease length granted when a rank asks for none"
+    )
+    min_lease_ttl_s: float = setting(1.0, flag="--min-lease-ttl", env="KVPUSH_MIN_LEASE_TTL_S", convert=float, help="shortest lease granted")
+    max_lease_ttl_s: float = setting(60.0, flag="--max-lease-ttl", env="KVPUSH_MAX_LEASE_TTL_S", convert=float, help="longest lease granted")
+    watch_queue_capacity: int = setting(
+        10_000,
+        flag="--watch-queue-capacity",
+        env="KVPUSH_WATCH_QUEUE_CAPACITY",
+        convert=int,
+        at_least=1,
+        help="engine events a watcher may fall behind by before its watch is closed",
+    )
+    max_engines: int = setting(
+        4096, flag="--max-engines", env="KVPUSH_MAX_ENGINES", convert=int, at_least=1, help="engines registered at once; a new one past it is refused"
+    )
+    max_watches_per_identity: int = setting(
+        64,
+        flag="--max-watches-per-identity",
+        env="KVPUSH_MAX_WATCHES_PER_IDENTITY",
+        convert=int,
+        at_least=1,
+        help="WatchEngines streams one caller identity may hold open",
+    )
     max_ranks_per_engine: int = 1024
     max_groups: int = 64
     max_regions: int = 65_536
@@ -31,45 +48,6 @@ class RegistrarConfig:
     max_text_length: int = 256
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0 < self.min_lease_ttl_s <= self.default_lease_ttl_s <= self.max_lease_ttl_s:
             raise ValueError("lease TTLs must satisfy 0 < min <= default <= max")
-        if self.watch_queue_capacity < 1:
-            raise ValueError("the watch queue capacity must be at least 1")
-        if self.max_engines < 1:
-            raise ValueError("--max-engines must be at least 1")
-        if self.max_watches_per_identity < 1:
-            raise ValueError("--max-watches-per-identity must be at least 1")
-
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        add_option(parser, "--lease-ttl", "KVPUSH_LEASE_TTL_S", convert=float, default=10.0, help_text="lease length granted when a rank asks for none")
-        add_option(parser, "--min-lease-ttl", "KVPUSH_MIN_LEASE_TTL_S", convert=float, default=1.0, help_text="shortest lease granted")
-        add_option(parser, "--max-lease-ttl", "KVPUSH_MAX_LEASE_TTL_S", convert=float, default=60.0, help_text="longest lease granted")
-        add_option(
-            parser,
-            "--watch-queue-capacity",
-            "KVPUSH_WATCH_QUEUE_CAPACITY",
-            convert=int,
-            default=10_000,
-            help_text="engine events a watcher may fall behind by before its watch is closed",
-        )
-        add_option(parser, "--max-engines", "KVPUSH_MAX_ENGINES", convert=int, default=4096, help_text="engines registered at once; a new one past it is refused")
-        add_option(
-            parser,
-            "--max-watches-per-identity",
-            "KVPUSH_MAX_WATCHES_PER_IDENTITY",
-            convert=int,
-            default=64,
-            help_text="WatchEngines streams one caller identity may hold open",
-        )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RegistrarConfig:
-        return cls(
-            default_lease_ttl_s=args.lease_ttl,
-            min_lease_ttl_s=args.min_lease_ttl,
-            max_lease_ttl_s=args.max_lease_ttl,
-            watch_queue_capacity=args.watch_queue_capacity,
-            max_engines=args.max_engines,
-            max_watches_per_identity=args.max_watches_per_identity,
-        )

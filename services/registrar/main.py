@@ -23,7 +23,7 @@ from kvpush.telemetry import configure_tracing
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    ServerConfig.add_arguments(parser, default_listen="127.0.0.1:50052")
+    ServerConfig.add_arguments(parser, listen="127.0.0.1:50052")
     RegistrarConfig.add_arguments(parser)
 
 
