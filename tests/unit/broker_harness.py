@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvpush import errors
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
@@ -121,3 +124,26 @@ class Harness:
     def events(self) -> list[tuple[str, int, int, int]]:
         """(transfer_id, attempt, type, reason) of every event queued for the decode engine."""
         return [(e.event.key.transfer_id, e.event.key.attempt, e.event.type, e.event.reason) for e in self.decode.outbox.drain()]
+
+
+S = tr_pb  # state and reason names are long; S.TRANSFER_STATE_DONE reads fine
+COMPLETED = tr_pb.TRANSFER_EVENT_TYPE_COMPLETED
+ENDED = tr_pb.TRANSFER_EVENT_TYPE_ENDED
+FAILED_EVENT = tr_pb.TRANSFER_EVENT_TYPE_FAILED  # ended, not fenced yet: the decode side keeps its blocks
+WRITTEN = tr_pb.WRITE_OUTCOME_WRITTEN
+REVOKED = tr_pb.WRITE_OUTCOME_REVOKED
+FAILED = tr_pb.WRITE_OUTCOME_FAILED
+
+# The harness's BrokerConfig defaults: the numbers the fencing bounds are made of.
+SKEW, WRITE_TIMEOUT, STREAM_LEASE, FENCE_MARGIN = 0.25, 3.0, 3.0, 1.0
+
+
+def expect(error_type: type[errors.KvpushError], reason: str, field: str, call, *args, **kwargs) -> errors.KvpushError:
+    with pytest.raises(error_type) as info:
+        call(*args, **kwargs)
+    assert (info.value.reason, info.value.field) == (reason, field), str(info.value)
+    return info.value
+
+
+def seconds(duration) -> float:
+    return duration.ToNanoseconds() / 1e9
