@@ -37,6 +37,12 @@ class Reason:
     TOO_MANY_ENGINES = "TOO_MANY_ENGINES"
     TOO_MANY_WATCHES = "TOO_MANY_WATCHES"
     UNAVAILABLE = "UNAVAILABLE"
+    # A broker shard refused a transfer it does not own; metadata names the
+    # owner (owner_member_id, owner_address) so the caller resends there.
+    NOT_SHARD_OWNER = "NOT_SHARD_OWNER"
+    # The broker shard that owned the transfer is gone (died, or lost its
+    # membership lease).
+    BROKER_SHARD_LOST = "BROKER_SHARD_LOST"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     INTERNAL = "INTERNAL"
 

@@ -271,3 +271,23 @@ class ItemError(_message.Message):
     reason: str
     metadata: _containers.ScalarMap[str, str]
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class BrokerShard(_message.Message):
+    __slots__ = ("member_id", "address")
+    MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    member_id: str
+    address: str
+    def __init__(self, member_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class WatchShardsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchShardsResponse(_message.Message):
+    __slots__ = ("shards", "revision")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[BrokerShard]
+    revision: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[BrokerShard, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...

@@ -77,6 +77,11 @@ class RendezvousServiceStub:
                 request_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsRequest.SerializeToString,
                 response_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsResponse.FromString,
                 _registered_method=True)
+        self.WatchShards = channel.unary_stream(
+                '/kvpush.rendezvous.v1.RendezvousService/WatchShards',
+                request_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.WatchShardsRequest.SerializeToString,
+                response_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.WatchShardsResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServiceServicer:
@@ -144,6 +149,18 @@ class RendezvousServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchShards(self, request, context):
+        """Streams the broker's shard map: the whole map at once, then again after
+        every change. A sharded broker's members each own the transfers whose
+        transfer_id hashes to them (highest random weight over the live members'
+        member_id); callers send each transfer's messages to its owner and hold
+        one engine stream per member. An unsharded broker answers once with a
+        single shard whose address is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +203,11 @@ def add_RendezvousServiceServicer_to_server(servicer, server):
                     servicer.EngineReports,
                     request_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsRequest.FromString,
                     response_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsResponse.SerializeToString,
+            ),
+            'WatchShards': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchShards,
+                    request_deserializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.WatchShardsRequest.FromString,
+                    response_serializer=kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.WatchShardsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +429,33 @@ class RendezvousService:
             '/kvpush.rendezvous.v1.RendezvousService/EngineReports',
             kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsRequest.SerializeToString,
             kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.EngineReportsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvpush.rendezvous.v1.RendezvousService/WatchShards',
+            kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.WatchShardsRequest.SerializeToString,
+            kvpush_dot_rendezvous_dot_v1_dot_rendezvous__service__pb2.WatchShardsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -46,6 +46,8 @@ class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_REASON_TOKEN_COUNT_MISMATCH: _ClassVar[EndReason]
     END_REASON_REGISTRATION_REFUSED: _ClassVar[EndReason]
     END_REASON_PROMPT_MISMATCH: _ClassVar[EndReason]
+    END_REASON_BROKER_SHARD_LOST: _ClassVar[EndReason]
+    END_REASON_BROKER_SHARD_MOVED: _ClassVar[EndReason]
 
 class WriteOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -97,6 +99,8 @@ END_REASON_WRITE_FAILED: EndReason
 END_REASON_TOKEN_COUNT_MISMATCH: EndReason
 END_REASON_REGISTRATION_REFUSED: EndReason
 END_REASON_PROMPT_MISMATCH: EndReason
+END_REASON_BROKER_SHARD_LOST: EndReason
+END_REASON_BROKER_SHARD_MOVED: EndReason
 WRITE_OUTCOME_UNSPECIFIED: WriteOutcome
 WRITE_OUTCOME_WRITTEN: WriteOutcome
 WRITE_OUTCOME_FAILED: WriteOutcome
