@@ -16,7 +16,7 @@ from typing import Any
 from bench.chaos.faults import Chaos
 from bench.chaos.log import Log
 from bench.chaos.report import summarize_totals, verdict
-from bench.chaos.settings import FAULTS, Settings
+from bench.chaos.settings import EMBEDDED_ONLY, FAULTS, SCALED_ONLY, Settings
 from bench.chaos.soak import soak_both, soak_verdict
 from bench.chaos.stack import Stack
 from kvpush.tinymodel import build_tiny_model, default_model_dir
@@ -31,6 +31,11 @@ def run(settings: Settings, *, quiet: bool = False) -> dict[str, Any]:
     unknown = [f for f in settings.faults if f not in FAULTS]
     if unknown:
         raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    misplaced = [f for f in settings.faults if f in (EMBEDDED_ONLY if settings.scaled else SCALED_ONLY)]
+    if misplaced:
+        raise ValueError(f"faults {misplaced} need the {'embedded' if settings.scaled else 'scaled-out'} control plane")
+    if settings.scaled and settings.soak_attempts:
+        raise ValueError("the soak measures the embedded control plane: run it without --scaled")
     started = time.monotonic()
     model_dir = build_tiny_model(settings.model_dir or default_model_dir())
     log(f"writing to {run_dir}; faults {', '.join(settings.faults)}; {settings.clients} clients; deadline {settings.timeout_ms} ms")
