@@ -117,8 +117,12 @@ class EtcdCluster:
         self._signal(index, signal.SIGSTOP)
 
     def resume(self, index: int) -> None:
-        """SIGCONT to a paused member."""
+        """SIGCONT to a paused member (wait_healthy() waits until it serves again)."""
         self._signal(index, signal.SIGCONT)
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Returns once every running member knows a leader; raises StartError after timeout_s."""
+        self._wait_healthy([i for i, m in enumerate(self._members) if m.process is not None], timeout_s or self.start_timeout_s)
 
     def stop(self) -> None:
         """Stops every member (by process group, bounded) and removes the data."""
