@@ -210,3 +210,23 @@ async def test_status_names_the_leader(etcd_cluster, etcd):
     leaders = {status.leader for status in statuses}
     assert len(leaders) == 1 and leaders <= {status.member_id for status in statuses}
     assert all(status.version.startswith("3.") and status.errors == [] for status in statuses)
+
+
+async def test_calls_move_on_from_a_member_that_stopped_answering(etcd_cluster, etcd_prefix):
+    # Member 0 is paused (connected, silent): a retried call gives it its
+    # share of the deadline (1 s of 3 s) and is answered by the next member.
+    client = EtcdClient(etcd_cluster.endpoints, timeout_s=3.0)
+    try:
+        await client.put(etcd_prefix + b"k", b"1")
+        etcd_cluster.pause(0)
+        started = time.monotonic()
+        assert (await client.get(etcd_prefix + b"k")).value == b"1"
+        assert time.monotonic() - started < 3.0
+        # Later calls start at the member that answered.
+        started = time.monotonic()
+        assert (await client.txn([compare_value(etcd_prefix + b"k", "=", b"1")], [op_delete(etcd_prefix + b"k")]))[0]
+        assert time.monotonic() - started < 1.0
+    finally:
+        await client.close()
+        etcd_cluster.resume(0)
+        etcd_cluster.wait_healthy()
