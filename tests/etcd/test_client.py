@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -137,6 +138,25 @@ async def test_watch_from_a_revision_with_prev_kv(etcd, etcd_prefix):
         assert batch.revision >= delete.kv.mod_revision
     finally:
         await watch.aclose()
+
+
+async def test_resuming_after_the_first_batch_of_a_long_backlog_misses_nothing(etcd, etcd_prefix):
+    # etcd sends a watch's backlog 1000 revisions at a time, each response
+    # with the current revision in its header: resuming from that would skip
+    # the rest. WatchBatch.revision is the last event's.
+    _, start = await etcd.get_prefix(etcd_prefix)
+    keys = [etcd_prefix + b"%04d" % n for n in range(1100)]
+    for chunk in range(0, len(keys), 100):
+        await asyncio.gather(*(etcd.put(key, b"") for key in keys[chunk:chunk + 100]))
+    async with contextlib.aclosing(etcd.watch_prefix(etcd_prefix, start_revision=start + 1)) as watch:
+        first = await next_batch(watch)
+    assert len(first.events) < len(keys)
+    seen = [event.kv.key for event in first.events]
+    async with contextlib.aclosing(etcd.watch_prefix(etcd_prefix, start_revision=first.revision + 1)) as watch:
+        while len(seen) < len(keys):
+            seen += [event.kv.key for event in (await next_batch(watch)).events]
+    assert sorted(seen) == keys
+    await etcd.delete(etcd_prefix, prefix=True)
 
 
 async def test_watch_resumes_on_another_member_after_its_member_dies(etcd_cluster, etcd, etcd_prefix):
