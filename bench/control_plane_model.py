@@ -21,7 +21,8 @@ were measured:
 * --keepalive-us 800: registrar CPU per rank KeepAlive, one unary call in
   and the etcd lease keep-alive it makes: the measured ~800 us of a unary
   rendezvous (two calls in, one order out) taken as that pair's cost.
-* memory: bytes per live and per retained attempt, measured here with
+* memory: bytes per live and per retained attempt (the engine streams a
+  member holds are counted, not costed: their memory is not measured yet), measured here with
   tracemalloc on a real BrokerCore (bench/broker_memory.py) unless
   --live-attempt-bytes/--retained-attempt-bytes are given.
 * owner() CPU: rendezvous hashing costs one keyed BLAKE2b per member per
@@ -78,6 +79,7 @@ class Fleet:
     engines: int
     in_flight: int
     ranks_per_engine: int = 8  # TP 8, as deploy/k8s's engines
+    prefill_fraction: float = 0.5
     attempt_lifetime_s: float = 2.0  # registration to settled
     lease_ttl_s: float = 3.0  # the connector's lease_ttl_s: ranks renew every ttl/3
     shard_lease_ttl_s: float = 2.0  # --shard-lease-ttl: members renew every ttl/3
@@ -101,6 +103,14 @@ class Fleet:
         return self.engines * self.ranks_per_engine
 
     @property
+    def streams_per_member(self) -> int:
+        """Engine streams every broker member holds: each prefill rank's orders and reports, each decode rank's reports,
+        each decode engine's events (a rank holds O(shards) streams, so a member holds O(ranks))."""
+        prefill = round(self.engines * self.prefill_fraction)
+        decode = self.engines - prefill
+        return prefill * self.ranks_per_engine * 2 + decode * (self.ranks_per_engine + 1)
+
+    @property
     def owner_lookups_per_transfer(self) -> int:
         """Ownership checks a transfer costs its owner: once, or per inbound message (registration, prefill done, write results)."""
         return 1 if self.owner_cached else 2 + self.ranks_per_engine
@@ -113,10 +123,12 @@ class Failover:
     watch_propagation_s: float = 0.1
     router_retry_s: float = 0.005
 
-    def seconds(self, fleet: Fleet) -> float:
-        """Until new transfers succeed again: the dead member's lease lapses (at most its TTL after the last renewal), etcd's
-        watch tells members and clients, and the router's retry (a new attempt) rendezvous on the new owner."""
-        return fleet.shard_lease_ttl_s + self.watch_propagation_s + self.router_retry_s
+    def seconds(self, fleet: Fleet) -> tuple[float, float]:
+        """(mean, worst) seconds until new transfers succeed again: the dead member's lease lapses, etcd's watch tells
+        members and clients, the router's retry (a new attempt) rendezvous on the new owner. The member renewed every
+        ttl/3, so its lease lapses between 2/3 ttl and ttl after it died (5/6 ttl on average)."""
+        tail = self.watch_propagation_s + self.router_retry_s
+        return fleet.shard_lease_ttl_s * 5 / 6 + tail, fleet.shard_lease_ttl_s + tail
 
 
 def bursts(fleet: Fleet, costs: Costs, shards: int) -> tuple[float, float, float]:
@@ -210,11 +222,13 @@ class Row:
     shards: int
     load: ShardLoad
     memory_mib: float
+    streams_per_shard: int
     registrar_keepalives_per_s: float
     registrar_replicas: int
     etcd_writes_per_s: float
     etcd_lease_renewals_per_s: float
-    failover_s: float
+    failover_mean_s: float
+    failover_worst_s: float
     attempts_lost_per_shard: int
 
 
@@ -233,11 +247,13 @@ def model(fleet: Fleet, costs: Costs, failover: Failover, *, target_utilisation:
         shards=shards,
         load=load,
         memory_mib=memory_bytes(fleet, costs, load.live_attempts, shards) / 2**20,
+        streams_per_shard=fleet.streams_per_member,
         registrar_keepalives_per_s=keepalives,
         registrar_replicas=max(2, math.ceil(keepalives * costs.keepalive_s / target_utilisation)),
         etcd_writes_per_s=etcd_writes_per_s(fleet, shards),
         etcd_lease_renewals_per_s=etcd_lease_renewals_per_s(fleet, shards),
-        failover_s=failover.seconds(fleet),
+        failover_mean_s=failover.seconds(fleet)[0],
+        failover_worst_s=failover.seconds(fleet)[1],
         attempts_lost_per_shard=load.live_attempts,
     )
 
@@ -252,7 +268,7 @@ def measured_owner_s_per_member(members: int = 64, lookups: int = 300) -> float:
 
 
 HEADER = ("engines", "in-flight", "rdv/s", "shards", "msgs/s/shard", "CPU/shard", "wait p50 ms", "wait p99 ms",
-          "live/shard", "MiB/shard", "registrar KA/s", "registrars", "etcd writes/s", "etcd renewals/s", "failover s", "lost/shard")
+          "live/shard", "MiB/shard", "streams/shard", "registrar KA/s", "registrars", "etcd writes/s", "etcd renewals/s", "failover s mean/worst", "lost/shard")
 
 
 def table_line(cells: list[str]) -> str:
@@ -265,8 +281,8 @@ def render(rows: list[Row]) -> str:
         lines.append(table_line([
             f"{r.engines:,}", f"{r.in_flight:,}", f"{r.rate:,.0f}", f"{r.shards}", f"{r.load.messages_per_s:,.0f}", f"{r.load.utilisation:.2f}",
             f"{r.load.wait_p50_ms:.2f}", f"{r.load.wait_p99_ms:.2f}", f"{r.load.live_attempts:,}",
-            f"{r.memory_mib:,.1f}", f"{r.registrar_keepalives_per_s:,.0f}", f"{r.registrar_replicas}", f"{r.etcd_writes_per_s:.2f}",
-            f"{r.etcd_lease_renewals_per_s:,.0f}", f"{r.failover_s:.2f}", f"{r.attempts_lost_per_shard:,}",
+            f"{r.memory_mib:,.1f}", f"{r.streams_per_shard:,}", f"{r.registrar_keepalives_per_s:,.0f}", f"{r.registrar_replicas}", f"{r.etcd_writes_per_s:.2f}",
+            f"{r.etcd_lease_renewals_per_s:,.0f}", f"{r.failover_mean_s:.2f} / {r.failover_worst_s:.2f}", f"{r.attempts_lost_per_shard:,}",
         ]))
     return "\n".join(lines)
 
@@ -296,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--engines", type=number_list, default=[100, 1000], help="engine counts (default 100,1000)")
     fleet.add_argument("--in-flight", type=number_list, default=[10_000, 100_000], help="transfers in flight (default 10000,100000)")
     fleet.add_argument("--ranks-per-engine", type=int, default=8, help="ranks per engine; a transfer has an order and a write result per producer rank")
+    fleet.add_argument("--prefill-fraction", type=float, default=0.5, help="share of the engines that are prefill engines")
     fleet.add_argument("--attempt-lifetime-s", type=float, default=2.0, help="registration to settled, mean (rate = in-flight / this)")
     fleet.add_argument("--lease-ttl-s", type=float, default=3.0, help="engine ranks' registrar lease (the connector's lease_ttl_s)")
     fleet.add_argument("--shard-lease-ttl-s", type=float, default=2.0, help="broker members' etcd lease (--shard-lease-ttl)")
@@ -339,7 +356,7 @@ def costs_from(args: argparse.Namespace, ranks_per_engine: int) -> Costs:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     costs = costs_from(args, args.ranks_per_engine)
-    common = dict(ranks_per_engine=args.ranks_per_engine, attempt_lifetime_s=args.attempt_lifetime_s, lease_ttl_s=args.lease_ttl_s,
+    common = dict(ranks_per_engine=args.ranks_per_engine, prefill_fraction=args.prefill_fraction, attempt_lifetime_s=args.attempt_lifetime_s, lease_ttl_s=args.lease_ttl_s,
                   shard_lease_ttl_s=args.shard_lease_ttl_s, engine_restarts_per_day=args.engine_restarts_per_day,
                   owner_cached=not args.owner_per_message)
     failover = Failover(args.watch_propagation_s, args.router_retry_s)
