@@ -62,14 +62,14 @@ MEMBER = "kvpush-broker-{}"  # the StatefulSet's pod names (deploy/k8s/scaled/13
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Server CPU seconds per message kind and bytes per attempt (defaults: the module docstring's measurements)."""
+    """Server CPU seconds per message kind and bytes per attempt (the options' defaults: the module docstring's measurements)."""
 
-    rendezvous_s: float = 300e-6
-    item_s: float = 100e-6
-    keepalive_s: float = 800e-6
-    owner_s_per_member: float = 0.0
-    live_attempt_bytes: int = 0
-    retained_attempt_bytes: int = 0
+    rendezvous_s: float
+    item_s: float
+    keepalive_s: float
+    owner_s_per_member: float
+    live_attempt_bytes: int
+    retained_attempt_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +104,11 @@ class Fleet:
 
     @property
     def streams_per_member(self) -> int:
-        """Engine streams every broker member holds: each prefill rank's orders and reports, each decode rank's reports,
-        each decode engine's events (a rank holds O(shards) streams, so a member holds O(ranks))."""
+        """Engine streams every broker member holds: each prefill rank's orders and reports (connector/worker.py), each
+        decode engine scheduler's reports and events (connector/scheduler.py). A rank holds O(shards) streams, so a
+        member holds O(ranks)."""
         prefill = round(self.engines * self.prefill_fraction)
-        decode = self.engines - prefill
-        return prefill * self.ranks_per_engine * 2 + decode * (self.ranks_per_engine + 1)
+        return prefill * self.ranks_per_engine * 2 + (self.engines - prefill) * 2
 
     @property
     def owner_lookups_per_transfer(self) -> int:
@@ -302,6 +302,11 @@ def render_sizing(fleet: Fleet, costs: Costs, rates: list[float], target: float)
     return "\n".join(lines)
 
 
+def default(cls: type, name: str):
+    """A dataclass field's default: the options show the model's own defaults."""
+    return cls.__dataclass_fields__[name].default
+
+
 def number_list(text: str) -> list[float]:
     return [float(item) for item in text.split(",") if item.strip()]
 
@@ -311,12 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--engines", type=number_list, default=[100, 1000], help="engine counts (default 100,1000)")
     fleet.add_argument("--in-flight", type=number_list, default=[10_000, 100_000], help="transfers in flight (default 10000,100000)")
-    fleet.add_argument("--ranks-per-engine", type=int, default=8, help="ranks per engine; a transfer has an order and a write result per producer rank")
-    fleet.add_argument("--prefill-fraction", type=float, default=0.5, help="share of the engines that are prefill engines")
-    fleet.add_argument("--attempt-lifetime-s", type=float, default=2.0, help="registration to settled, mean (rate = in-flight / this)")
-    fleet.add_argument("--lease-ttl-s", type=float, default=3.0, help="engine ranks' registrar lease (the connector's lease_ttl_s)")
-    fleet.add_argument("--shard-lease-ttl-s", type=float, default=2.0, help="broker members' etcd lease (--shard-lease-ttl)")
-    fleet.add_argument("--engine-restarts-per-day", type=float, default=1.0, help="registrations and departures per engine and day")
+    fleet.add_argument("--ranks-per-engine", type=int, default=default(Fleet, "ranks_per_engine"), help="ranks per engine; a transfer has an order and a write result per producer rank")
+    fleet.add_argument("--prefill-fraction", type=float, default=default(Fleet, "prefill_fraction"), help="share of the engines that are prefill engines")
+    fleet.add_argument("--attempt-lifetime-s", type=float, default=default(Fleet, "attempt_lifetime_s"), help="registration to settled, mean (rate = in-flight / this)")
+    fleet.add_argument("--lease-ttl-s", type=float, default=default(Fleet, "lease_ttl_s"), help="engine ranks' registrar lease (the connector's lease_ttl_s)")
+    fleet.add_argument("--shard-lease-ttl-s", type=float, default=default(Fleet, "shard_lease_ttl_s"), help="broker members' etcd lease (--shard-lease-ttl)")
+    fleet.add_argument("--engine-restarts-per-day", type=float, default=default(Fleet, "engine_restarts_per_day"), help="registrations and departures per engine and day")
     fleet.add_argument("--owner-per-message", action="store_true", help="brokers hash the owner on every inbound message, not once per attempt")
     costs = parser.add_argument_group("measured costs")
     costs.add_argument("--rendezvous-us", type=float, default=300.0, help="server CPU per rendezvous (default 300: streams; unary 800)")
@@ -327,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--retained-attempt-bytes", type=int, default=None, help="bytes per settled, retained attempt (default: measured)")
     costs.add_argument("--memory-attempts", type=int, default=500, help="attempts the memory measurement holds (default 500)")
     failover = parser.add_argument_group("failover (bench/failover.py measures the whole)")
-    failover.add_argument("--watch-propagation-s", type=float, default=0.1, help="etcd watch to members and clients' shard maps")
-    failover.add_argument("--router-retry-s", type=float, default=0.005, help="the router's new attempt on the new owner")
+    failover.add_argument("--watch-propagation-s", type=float, default=default(Failover, "watch_propagation_s"), help="etcd watch to members and clients' shard maps")
+    failover.add_argument("--router-retry-s", type=float, default=default(Failover, "router_retry_s"), help="the router's new attempt on the new owner")
     run = parser.add_argument_group("model")
     run.add_argument("--shards", type=int, default=None, help="shards to model (default: the fewest at --target-utilisation)")
     run.add_argument("--target-utilisation", type=float, default=0.6, help="of one core per shard and registrar (default 0.6)")

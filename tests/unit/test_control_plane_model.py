@@ -32,8 +32,8 @@ def test_doubling_shards_halves_per_shard_load_and_memory_but_not_the_fleets_etc
     assert two.load.live_attempts == one.load.live_attempts / 2 and two.memory_mib == pytest.approx(one.memory_mib / 2, rel=1e-3)
     assert two.load.wait_p99_ms < one.load.wait_p99_ms  # a less busy core makes messages wait less
     assert (two.registrar_keepalives_per_s, two.registrar_replicas) == (one.registrar_keepalives_per_s, one.registrar_replicas)
-    # 50 prefill engines: orders and reports per rank; 50 decode engines: reports per rank and events.
-    assert two.streams_per_shard == one.streams_per_shard == 50 * 8 * 2 + 50 * 9
+    # 50 prefill engines: orders and reports per rank; 50 decode engines: their scheduler's reports and events.
+    assert two.streams_per_shard == one.streams_per_shard == 50 * 8 * 2 + 50 * 2
     assert two.etcd_writes_per_s > one.etcd_writes_per_s > 0  # more members to (re)join, nothing else
     # 20 shards: 5,000 rdv/s x 1.9 ms / 20; 8 ranks x 100 engines renew every second, members every 2/3 s.
     assert one.load.utilisation == pytest.approx(5000 * 1.9e-3 / 20)
