@@ -15,6 +15,9 @@ from tests.deploy.manifests import EMBEDDED, FORMS, K8S, SCALED, WORKLOADS, Form
 FORM_IDS = [form.name for form in FORMS]
 # Every object once: the scaled form shares the engine, router, namespace and cache files.
 ALL_OBJECTS = EMBEDDED.documents + [d for d in SCALED.documents if d not in EMBEDDED.documents]
+# A registrar or broker alone is ready when the service it serves is (a broker marks its own serving once it
+# mirrors the engines); the one-process control plane when it answers at all, as before.
+READY_SERVICE = {"registrar": registrar_servicer.SERVICE_NAME, "broker": broker_servicer.SERVICE_NAME}
 
 
 def test_both_forms_have_files_and_the_scaled_one_has_no_one_process_control_plane():
@@ -111,10 +114,6 @@ def test_servers_are_probed_over_grpc_health_on_their_grpc_port(form: Form):
         command = container["args"][0]
         assert ready.get("service") == READY_SERVICE.get(command), workload["metadata"]["name"]
 
-
-# A broker or registrar alone reports its own service NOT_SERVING until it can serve (a broker: until it
-# mirrors the engines); the one-process control plane is ready when it answers at all.
-READY_SERVICE = {"registrar": registrar_servicer.SERVICE_NAME, "broker": broker_servicer.SERVICE_NAME}
 
 
 def test_the_one_process_control_plane_is_one_replica_never_two():
