@@ -228,6 +228,12 @@ class Directory:
         """Notes that the directory is current as of revision although nothing it holds changed."""
         self.revision = max(self.revision, revision)
 
+    def start_history(self, revision: int) -> None:
+        """Makes what the directory holds the state as of revision, with no history before it (a first listing's adds are no changes to resume through)."""
+        self.revision = revision
+        self._history.clear()
+        self._history_floor = revision
+
     # ----- watches -----
 
     def watch(self, role: int = 0, watcher: str = "", start_revision: int = 0) -> EngineWatch:

@@ -119,7 +119,10 @@ class EtcdMirror:
                 record = directory.engine(engine_id)
                 if record is None or position not in record.ranks:
                     self._put(ranks[position], revision)
-        directory.advance(revision)
+        if self.synced.is_set():
+            directory.advance(revision)
+        else:
+            directory.start_history(revision)
         self._listed = True
         self.synced.set()
         self._moved_on()

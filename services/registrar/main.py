@@ -13,10 +13,9 @@ import sys
 
 from prometheus_client import CollectorRegistry
 
-from kvpush.etcd.client import EtcdClient
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
-from kvpush.services.common.clock import Clock, SystemClock
+from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
@@ -24,11 +23,8 @@ from kvpush.services.common.tokens import IdentityTokens, server_tokens
 from kvpush.services.registrar import servicer as registrar_servicer
 from kvpush.services.registrar.config import EtcdBacking, RegistrarConfig
 from kvpush.services.registrar.core import LocalLeases, RegistrarCore
-from kvpush.services.registrar.directory import Directory
-from kvpush.services.registrar.etcd_keys import EtcdKeys
-from kvpush.services.registrar.etcd_leases import EtcdLeases
-from kvpush.services.registrar.etcd_mirror import EtcdMirror
 from kvpush.services.registrar.metrics import register_registrar_metrics
+from kvpush.services.registrar.replica import EtcdReplica
 from kvpush.telemetry import configure_tracing
 
 
@@ -38,47 +34,36 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     EtcdBacking.add_arguments(parser)
 
 
-def _local(config: RegistrarConfig, clock: Clock) -> tuple[Directory, registrar_servicer.LeaseAuthority, list, list]:
-    """The in-process registrar: (directory, lease authority, background jobs, closers)."""
-    registrar = RegistrarCore(config, clock)
-    leases = DeadlineRunner(registrar.sweep, clock, "lease expiry")
-    registrar.set_wakeup(leases.wake)
-    return registrar, LocalLeases(registrar), [leases.run()], []
-
-
-def _on_etcd(config: RegistrarConfig, etcd: EtcdBacking, clock: Clock) -> tuple[Directory, registrar_servicer.LeaseAuthority, EtcdMirror, EtcdClient]:
-    """A replica of the directory kept in etcd: (its mirror's directory, the etcd lease authority, the mirror, the client)."""
-    client = EtcdClient(etcd.endpoints, timeout_s=etcd.timeout_s)
-    keys = EtcdKeys(etcd.prefix)
-    mirror = EtcdMirror(client, keys, Directory(config, clock), clock)
-    return mirror.directory, EtcdLeases(client, keys, mirror, config, clock, timeout_s=etcd.timeout_s), mirror, client
-
-
 async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, etcd: EtcdBacking, tokens: IdentityTokens | None) -> int:
     configure_tracing("kvpush-registrar")
     clock = SystemClock()
     if etcd.endpoints:
-        directory, leases, mirror, client = _on_etcd(registrar_config, etcd, clock)
+        replica = EtcdReplica(registrar_config, etcd, clock)
+        directory, leases = replica.directory, replica.leases
     else:
-        directory, leases, background, after_stop = _local(registrar_config, clock)
+        core = RegistrarCore(registrar_config, clock)
+        directory, leases = core, LocalLeases(core)
     registry = CollectorRegistry()
     register_registrar_metrics(registry, directory)
     auth = Authenticator(mtls=server_config.mtls)
-    servicer = registrar_servicer.RegistrarServicer(directory, leases, auth)
     running = await build_server(
         server_config,
-        [Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, servicer)],
+        [Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(directory, leases, auth))],
         registry=registry,
         tokens=tokens,
-        serving=not etcd.endpoints,
+        serving=not etcd.endpoints,  # a replica serves once its mirror holds etcd's engines
     )
     if etcd.endpoints:
 
         async def serving_once_synced() -> None:
-            await mirror.synced.wait()
+            await replica.mirror.synced.wait()
             await running.set_serving(registrar_servicer.SERVICE_NAME, True)
 
-        background, after_stop = [mirror.run(), serving_once_synced()], [client.close]
+        background, after_stop = [replica.mirror.run(), serving_once_synced()], [replica.close]
+    else:
+        expiry = DeadlineRunner(core.sweep, clock, "lease expiry")
+        core.set_wakeup(expiry.wake)
+        background, after_stop = [expiry.run()], []
     metrics = MetricsServer(server_config, registry)
     announce("registrar", server_config, running.port, metrics.port)
     return await serve_until_signalled(
