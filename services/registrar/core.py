@@ -20,9 +20,7 @@ from kvpush.services.common import validation
 from kvpush.services.common.clock import Clock, timestamp, wall_at
 from kvpush.services.registrar import checks
 from kvpush.services.registrar.config import RegistrarConfig
-from kvpush.services.registrar.directory import Directory, EngineWatch, Position, Rank, RemovalListener, RemovalReason
-
-__all__ = ["EngineWatch", "LocalLeases", "RegistrarCore", "RemovalListener", "RemovalReason"]
+from kvpush.services.registrar.directory import Directory, EngineRecord, Position, Rank, RemovalReason
 
 
 class RegistrarCore(Directory):
@@ -108,7 +106,7 @@ class RegistrarCore(Directory):
     def sweep(self) -> float | None:
         """Ends every lapsed lease; returns when the next lease may lapse (monotonic), or None."""
         now = self._clock.now()
-        lapsed: dict[int, tuple[object, list[Position]]] = {}
+        lapsed: dict[int, tuple[EngineRecord, list[Position]]] = {}
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
             _, lease_id = heapq.heappop(expiries)

@@ -18,6 +18,8 @@ import asyncio
 import logging
 import time
 
+from google.protobuf.message import DecodeError
+
 from kvpush.client.backoff import Backoff
 from kvpush.errors import KvpushError
 from kvpush.etcd.client import Compacted, EtcdClient, KeyValue, WatchBatch
@@ -165,7 +167,11 @@ class EtcdMirror:
             self.directory.remove_ranks(*pending)
 
     def _put(self, kv: KeyValue, revision: int) -> None:
-        stored, ttl_s, register_wall = decode_rank(kv.value)
+        try:
+            stored, ttl_s, register_wall = decode_rank(kv.value)
+        except (DecodeError, IndexError):  # not written by a registrar: one bad key must not stop the mirror
+            logger.warning("skipping %s: its value is no registered rank", kv.key.decode(errors="replace"))
+            return
         record = self.directory.engine(stored.engine_id)
         if record is not None and record.incarnation != stored.incarnation:
             # A registration deletes the old incarnation in its own transaction,
