@@ -85,7 +85,13 @@ class Event:
 
 @dataclass(frozen=True)
 class WatchBatch:
-    """Events of one watch response; every event up to `revision` has been delivered."""
+    """Events of one watch response; every event up to `revision` has been delivered.
+
+    revision is the last event's mod_revision, not the response header's:
+    a watch catching up on a long history gets the header's (current)
+    revision with only the first part of the backlog, so only the events
+    themselves say how far it got.
+    """
 
     events: list[Event]
     revision: int
@@ -169,6 +175,7 @@ class EtcdClient:
         self._current = 0
 
     async def close(self) -> None:
+        """Closes every channel; open watches end with Unavailable."""
         channels, self._channels = self._channels, [None] * len(self.endpoints)
         for channel in channels:
             if channel is not None:
@@ -231,6 +238,7 @@ class EtcdClient:
     # KV.
 
     async def get(self, key: bytes) -> KeyValue | None:
+        """The key, or None when it does not exist (a linearizable read)."""
         response = await self._unary(_RANGE, pb.RangeRequest(key=key), pb.RangeResponse, retry=True)
         return _key_value(response.kvs[0]) if response.kvs else None
 
@@ -324,7 +332,9 @@ class EtcdClient:
         which the caller watches again from the last batch's revision + 1.
         The create is confirmed within timeout_s; after that the stream has
         no deadline (gRPC keepalive and the require-leader metadata end a
-        stream whose member stopped serving).
+        stream whose member stopped serving). Close the iterator when done
+        (`async with contextlib.aclosing(...)`, or aclose()): that ends the
+        stream.
         """
         index = self._pick()
         call = self._channel(index).stream_stream(_WATCH, request_serializer=pb.WatchRequest.SerializeToString,
@@ -346,7 +356,7 @@ class EtcdClient:
                         raise Compacted(response.compact_revision)
                     raise errors.Unavailable(f"etcd cancelled the watch: {response.cancel_reason}", reason=errors.Reason.UNAVAILABLE)
                 if response.events:
-                    yield WatchBatch([_event(event) for event in response.events], response.header.revision)
+                    yield WatchBatch([_event(event) for event in response.events], response.events[-1].kv.mod_revision)
         except grpc.aio.AioRpcError as exc:
             self._failed(index)
             raise errors.Unavailable(f"etcd watch on {self.endpoints[index]} failed: {exc.code().name} {exc.details()}",

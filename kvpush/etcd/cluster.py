@@ -68,10 +68,9 @@ class EtcdCluster:
             raise ValueError("size must be at least 1")
         self.size = size
         self.start_timeout_s = start_timeout_s
-        self._tmp = Path(tempfile.mkdtemp(prefix="kvpush-etcd-", dir=workdir))
-        self._log_dir = Path(workdir) if workdir is not None else self._tmp
+        self.workdir = Path(workdir) if workdir is not None else None
+        self._tmp: Path | None = None
         self._members: list[_Member] = []
-        self._token = self._tmp.name
 
     @property
     def endpoints(self) -> list[str]:
@@ -84,20 +83,30 @@ class EtcdCluster:
         return process.pid if process is not None and process.alive() else None
 
     def start(self) -> EtcdCluster:
-        """Starts every member and returns once all of them know a leader (bounded by start_timeout_s)."""
-        for attempt in range(1, START_ATTEMPTS + 1):
-            self._members = [self._new_member(index, attempt) for index in range(self.size)]
-            for index in range(self.size):
-                self._launch(index)
-            try:
-                self._wait_healthy(range(self.size), self.start_timeout_s)
-                return self
-            except StartError:
-                lost_port_race = any(m.process is not None and "address already in use" in m.process.tail() for m in self._members)
-                self._stop_members()
-                if not lost_port_race or attempt == START_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")
+        """Starts every member and returns once all of them know a leader (bounded by start_timeout_s per try).
+
+        On failure everything started is stopped and removed again.
+        """
+        if self.workdir is not None:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        self._tmp = Path(tempfile.mkdtemp(prefix="kvpush-etcd-", dir=self.workdir))
+        try:
+            for attempt in range(1, START_ATTEMPTS + 1):
+                self._members = [self._new_member(index, attempt) for index in range(self.size)]
+                for index in range(self.size):
+                    self._launch(index)
+                try:
+                    self._wait_healthy(range(self.size), self.start_timeout_s)
+                    return self
+                except StartError:
+                    lost_port_race = any(m.process is not None and "address already in use" in m.process.tail() for m in self._members)
+                    self._stop_members()
+                    if not lost_port_race or attempt == START_ATTEMPTS:
+                        raise
+            raise AssertionError("unreachable")
+        except BaseException:
+            self.stop()
+            raise
 
     def kill(self, index: int) -> None:
         """SIGKILL to member index, as a crash would; returns once it is gone."""
@@ -117,13 +126,19 @@ class EtcdCluster:
         self._signal(index, signal.SIGSTOP)
 
     def resume(self, index: int) -> None:
-        """SIGCONT to a paused member."""
+        """SIGCONT to a paused member (wait_healthy() waits until it serves again)."""
         self._signal(index, signal.SIGCONT)
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        """Returns once every running member knows a leader; raises StartError after timeout_s."""
+        self._wait_healthy([i for i, m in enumerate(self._members) if m.process is not None], timeout_s or self.start_timeout_s)
 
     def stop(self) -> None:
         """Stops every member (by process group, bounded) and removes the data."""
         self._stop_members()
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
@@ -135,7 +150,7 @@ class EtcdCluster:
         name = f"etcd{index}"
         data_dir = self._tmp / f"{name}.data"
         shutil.rmtree(data_dir, ignore_errors=True)
-        log_path = self._log_dir / f"{name}.attempt{attempt}.log"
+        log_path = (self.workdir or self._tmp) / f"{name}.attempt{attempt}.log"
         return _Member(name, free_port(), free_port(), data_dir, log_path)
 
     def _launch(self, index: int) -> None:
@@ -152,7 +167,7 @@ class EtcdCluster:
             f"--initial-advertise-peer-urls={member.peer_url}",
             f"--initial-cluster={initial_cluster}",
             "--initial-cluster-state=new",
-            f"--initial-cluster-token={self._token}",
+            f"--initial-cluster-token={self._tmp.name}",
             f"--heartbeat-interval={HEARTBEAT_MS}",
             f"--election-timeout={ELECTION_TIMEOUT_MS}",
             "--logger=zap",
@@ -184,7 +199,7 @@ class EtcdCluster:
                     waiting.remove(index)
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(self._members[i].name for i in waiting)
-                raise StartError(f"etcd members {names} found no leader within {timeout_s:g} s; logs in {self._log_dir}")
+                raise StartError(f"etcd members {names} found no leader within {timeout_s:g} s; logs in {self.workdir or self._tmp}")
             if waiting:
                 time.sleep(POLL_S)
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -139,6 +140,25 @@ async def test_watch_from_a_revision_with_prev_kv(etcd, etcd_prefix):
         await watch.aclose()
 
 
+async def test_resuming_after_the_first_batch_of_a_long_backlog_misses_nothing(etcd, etcd_prefix):
+    # etcd sends a watch's backlog 1000 revisions at a time, each response
+    # with the current revision in its header: resuming from that would skip
+    # the rest. WatchBatch.revision is the last event's.
+    _, start = await etcd.get_prefix(etcd_prefix)
+    keys = [etcd_prefix + b"%04d" % n for n in range(1100)]
+    for chunk in range(0, len(keys), 100):
+        await asyncio.gather(*(etcd.put(key, b"") for key in keys[chunk:chunk + 100]))
+    async with contextlib.aclosing(etcd.watch_prefix(etcd_prefix, start_revision=start + 1)) as watch:
+        first = await next_batch(watch)
+    assert len(first.events) < len(keys)
+    seen = [event.kv.key for event in first.events]
+    async with contextlib.aclosing(etcd.watch_prefix(etcd_prefix, start_revision=first.revision + 1)) as watch:
+        while len(seen) < len(keys):
+            seen += [event.kv.key for event in (await next_batch(watch)).events]
+    assert sorted(seen) == keys
+    await etcd.delete(etcd_prefix, prefix=True)
+
+
 async def test_watch_resumes_on_another_member_after_its_member_dies(etcd_cluster, etcd, etcd_prefix):
     p = etcd_prefix
     # The watching client talks to member 1 first.
@@ -210,3 +230,23 @@ async def test_status_names_the_leader(etcd_cluster, etcd):
     leaders = {status.leader for status in statuses}
     assert len(leaders) == 1 and leaders <= {status.member_id for status in statuses}
     assert all(status.version.startswith("3.") and status.errors == [] for status in statuses)
+
+
+async def test_calls_move_on_from_a_member_that_stopped_answering(etcd_cluster, etcd_prefix):
+    # Member 0 is paused (connected, silent): a retried call gives it its
+    # share of the deadline (1 s of 3 s) and is answered by the next member.
+    client = EtcdClient(etcd_cluster.endpoints, timeout_s=3.0)
+    try:
+        await client.put(etcd_prefix + b"k", b"1")
+        etcd_cluster.pause(0)
+        started = time.monotonic()
+        assert (await client.get(etcd_prefix + b"k")).value == b"1"
+        assert time.monotonic() - started < 3.0
+        # Later calls start at the member that answered.
+        started = time.monotonic()
+        assert (await client.txn([compare_value(etcd_prefix + b"k", "=", b"1")], [op_delete(etcd_prefix + b"k")]))[0]
+        assert time.monotonic() - started < 1.0
+    finally:
+        await client.close()
+        etcd_cluster.resume(0)
+        etcd_cluster.wait_healthy()
