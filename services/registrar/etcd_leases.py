@@ -66,6 +66,7 @@ class EtcdLeases:
                 checks.check_same_rank(decode_rank(existing.value)[0].ranks[0], request)
                 granted = await self._client.keep_alive_once(existing.lease)
                 if granted > 0:  # a repeat renews the lease it got (whose TTL etcd keeps)
+                    await self._mirror.caught_up(existing.mod_revision, self._timeout_s)
                     return self._grant(existing.lease, granted)
                 continue  # the lease just lapsed: its key is going too
             if not kvs and self._directory.engine(rank.engine_id) is None and self._directory.engine_count >= self._config.max_engines:
