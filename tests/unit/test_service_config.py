@@ -10,7 +10,7 @@ import pytest
 
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common.config import ServerConfig
-from kvpush.services.registrar.config import RegistrarConfig
+from kvpush.services.registrar.config import EtcdBacking, RegistrarConfig
 
 
 def parse(monkeypatch, env: dict[str, str], argv: list[str]) -> argparse.Namespace:
@@ -59,3 +59,19 @@ def test_credentials_and_caps_come_from_flags_or_the_environment(monkeypatch, tm
     assert server.tokens_dir == tmp_path and not server.mtls
     assert (registrar.max_engines, registrar.max_watches_per_identity) == (8, 3)
     assert (RegistrarConfig().max_engines, RegistrarConfig().max_watches_per_identity) == (4096, 64)
+
+
+def test_the_registrar_etcd_endpoints_and_prefix_come_from_flags_or_the_environment(monkeypatch):
+    def backing(env: dict[str, str], argv: list[str]) -> EtcdBacking:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        parser = argparse.ArgumentParser()
+        EtcdBacking.add_arguments(parser)
+        return EtcdBacking.from_args(parser.parse_args(argv))
+
+    assert backing({}, []) == EtcdBacking()  # no endpoints: the registrar keeps its directory in process
+    from_env = backing({"KVPUSH_ETCD": "127.0.0.1:2379, 127.0.0.1:2381"}, ["--etcd-prefix", "/team-a/"])
+    assert (from_env.endpoints, from_env.prefix) == (("127.0.0.1:2379", "127.0.0.1:2381"), "/team-a/")
+    assert backing({}, ["--etcd", "127.0.0.1:1"]).endpoints == ("127.0.0.1:1",)
+    with pytest.raises(ValueError, match="--etcd-prefix must end with '/'"):
+        EtcdBacking(endpoints=("127.0.0.1:1",), prefix="/kvpush")
