@@ -175,6 +175,7 @@ class EtcdClient:
         self._current = 0
 
     async def close(self) -> None:
+        """Closes every channel; open watches end with Unavailable."""
         channels, self._channels = self._channels, [None] * len(self.endpoints)
         for channel in channels:
             if channel is not None:
@@ -237,6 +238,7 @@ class EtcdClient:
     # KV.
 
     async def get(self, key: bytes) -> KeyValue | None:
+        """The key, or None when it does not exist (a linearizable read)."""
         response = await self._unary(_RANGE, pb.RangeRequest(key=key), pb.RangeResponse, retry=True)
         return _key_value(response.kvs[0]) if response.kvs else None
 
