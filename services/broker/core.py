@@ -85,6 +85,8 @@ class BrokerCore:
             lambda: counts[a.WAITING_FOR_REGISTRATION],
             lambda: sum(counts[s] for s in a.LIVE),
         )
+        membership = self._ownership.membership
+        self.metrics.read_shard_gauges_from(lambda: len(membership.members()), lambda: float(membership.serving()))
 
     # ----- counts and hooks -----
 

@@ -61,6 +61,12 @@ async def test_members_share_one_map_and_send_each_transfer_to_its_owner(tmp_pat
             raise AssertionError("a non-owner answered")
         except grpc.aio.AioRpcError as error:
             assert refusal(error)[1:] == (Reason.NOT_SHARD_OWNER, {"owner_member_id": "b2", "owner_address": addresses["b2"], "field": "transfer_id"})
+        # A member that stops leaves the map first (revoking its lease): the others drop it at once, not a lease ttl later.
+        watch = plane.watch("b1")
+        await map_until(watch, lambda m: len(m) == 3)
+        (_, took), _ = await asyncio.gather(map_until(watch, lambda m: "b3" not in m, timeout=LEASE_TTL_S + 3), plane.brokers["b3"].stop())
+        assert took < LEASE_TTL_S / 2 and plane.brokers["b3"].process.returncode == 0
+        watch.cancel()
 
 
 async def test_a_killed_member_drops_out_after_its_lease_ttl_and_rejoins_when_restarted(tmp_path, etcd_cluster, etcd_prefix):

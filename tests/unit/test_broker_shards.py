@@ -154,7 +154,10 @@ def test_losing_the_lease_ends_every_live_attempt_shard_lost_and_refuses_everyth
     h.prefill_done(mine[2])
     h.kinds()
     watch = h.broker.watch_shards()
+    gauge = h.broker.metrics.registry.get_sample_value
+    assert (gauge("kvpush_broker_shard_serving"), gauge("kvpush_broker_shard_members")) == (1.0, 2.0)
     membership.lose_lease()
+    assert gauge("kvpush_broker_shard_serving") == 0.0
     for transfer_id in mine:
         transfer = h.broker.get_transfer(transfer_id, 1)
         assert (transfer.state, transfer.end_reason) == (S.TRANSFER_STATE_FAILED, S.END_REASON_BROKER_SHARD_LOST)
