@@ -113,17 +113,18 @@ class EtcdMembership(MapMembership):
 
     async def _list(self) -> int:
         kvs, revision = await self._client.get_prefix(self._prefix)
-        members: dict[str, str] = {}
-        for kv in kvs:
-            shard = rv_pb.BrokerShard.FromString(kv.value)
-            members[shard.member_id] = shard.address
+        members = {self._member_of(kv.key): rv_pb.BrokerShard.FromString(kv.value).address for kv in kvs}
         if self.member_id not in members:
             raise _Evicted(f"its key {self._key.decode()} is missing")
         self.update(members, revision)
         return revision
 
+    def _member_of(self, key: bytes) -> str:
+        """The member a key belongs to: the key names it (the value only says where it is reached)."""
+        return key[len(self._prefix):].decode()
+
     def _apply(self, members: dict[str, str], event: Event) -> None:
-        member_id = event.kv.key[len(self._prefix):].decode()
+        member_id = self._member_of(event.kv.key)
         if event.type == "DELETE":
             members.pop(member_id, None)
             if member_id == self.member_id:
