@@ -1,0 +1,131 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""Real grpc.aio servers that act as broker shard members for client tests: WatchShards and ownership refusals.
+
+Each member owns the transfers kvpush.shards.owner gives it over its
+view of the membership (the cluster's, unless a test gives it one of its
+own) and refuses the others with NOT_SHARD_OWNER naming the owner, as a
+sharded broker does. What WatchShards publishes is set apart from the
+membership, so a test can make clients' maps lag behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvpush import errors, shards, status
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
+from kvpush.rendezvous.v1 import transfer_pb2
+
+
+class Cluster:
+    """What the members share: the membership (member_id -> address) and the map WatchShards publishes."""
+
+    def __init__(self) -> None:
+        self.membership: dict[str, str] = {}
+        self.published = rv_pb.WatchShardsResponse()  # revision 0: unsharded
+        self.changed = asyncio.Condition()
+        self.generation = 0  # break_streams() bumps it: streams of an older one fail
+        self.answer_watches = asyncio.Event()
+        self.answer_watches.set()
+
+    async def publish(self, members: dict[str, str], revision: int) -> None:
+        """Publishes a map to every WatchShards stream (open and future)."""
+        response = rv_pb.WatchShardsResponse(revision=revision)
+        for member_id in sorted(members):
+            response.shards.add(member_id=member_id, address=members[member_id])
+        async with self.changed:
+            self.published = response
+            self.changed.notify_all()
+
+    async def break_streams(self) -> None:
+        """Fails every open WatchShards stream with UNAVAILABLE (a member going away under it)."""
+        async with self.changed:
+            self.generation += 1
+            self.changed.notify_all()
+
+
+class Member(rv_grpc.RendezvousServiceServicer):
+    """One broker member: records the transfer ids of its unary calls, serves those it owns."""
+
+    def __init__(self, cluster: Cluster, member_id: str):
+        self.cluster = cluster
+        self.member_id = member_id
+        self.view: dict[str, str] | None = None  # its own membership view; None: the cluster's
+        self.calls: list[tuple[str, str]] = []  # (method, transfer_id), served or refused
+        self.address = ""
+
+    async def _check_owner(self, method: str, transfer_id: str, context: grpc.aio.ServicerContext) -> None:
+        self.calls.append((method, transfer_id))
+        if self.cluster.published.revision == 0:
+            return  # unsharded: owns everything
+        view = self.cluster.membership if self.view is None else self.view
+        owner = shards.owner(transfer_id, view)
+        if owner != self.member_id:
+            refusal = errors.FailedPrecondition(
+                f"transfer {transfer_id} is owned by {owner}",
+                reason=errors.Reason.NOT_SHARD_OWNER,
+                metadata={"owner_member_id": owner or "", "owner_address": view.get(owner or "", "")},
+            )
+            await context.abort_with_status(status.to_status(refusal))
+
+    async def RegisterDestination(self, request, context):
+        await self._check_owner("RegisterDestination", request.key.transfer_id, context)
+        return rv_pb.RegisterDestinationResponse(state=transfer_pb2.TRANSFER_STATE_WAITING_FOR_PREFILL)
+
+    async def ReportPrefillDone(self, request, context):
+        await self._check_owner("ReportPrefillDone", request.key.transfer_id, context)
+        return rv_pb.ReportPrefillDoneResponse(state=transfer_pb2.TRANSFER_STATE_MATCHED)
+
+    async def ReportWriteResult(self, request, context):
+        await self._check_owner("ReportWriteResult", request.key.transfer_id, context)
+        return rv_pb.ReportWriteResultResponse()
+
+    async def CancelTransfer(self, request, context):
+        await self._check_owner("CancelTransfer", request.key.transfer_id, context)
+        return rv_pb.CancelTransferResponse()
+
+    async def GetTransfer(self, request, context):
+        await self._check_owner("GetTransfer", request.transfer_id, context)
+        transfer = transfer_pb2.Transfer(key=transfer_pb2.TransferKey(transfer_id=request.transfer_id, attempt=request.attempt), detail=self.member_id)
+        return rv_pb.GetTransferResponse(transfer=transfer)
+
+    async def WatchShards(self, request, context):
+        await self.cluster.answer_watches.wait()
+        cluster = self.cluster
+        generation = cluster.generation
+        sent = None
+        while True:
+            async with cluster.changed:
+                while cluster.published is sent and cluster.generation == generation:
+                    await cluster.changed.wait()
+                if cluster.generation != generation:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "member going away")
+                sent = cluster.published
+            yield sent
+
+
+@contextlib.asynccontextmanager
+async def members(cluster: Cluster, member_ids: list[str]) -> AsyncIterator[dict[str, Member]]:
+    """Serves one Member per id on its own 127.0.0.1 port; the cluster's membership lists them all."""
+    servers: list[grpc.aio.Server] = []
+    served: dict[str, Member] = {}
+    try:
+        for member_id in member_ids:
+            server = grpc.aio.server()
+            member = Member(cluster, member_id)
+            rv_grpc.add_RendezvousServiceServicer_to_server(member, server)
+            member.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            servers.append(server)
+            served[member_id] = member
+            cluster.membership[member_id] = member.address
+        yield served
+    finally:
+        for server in servers:
+            await server.stop(grace=None)
