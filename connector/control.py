@@ -135,6 +135,7 @@ class ControlSession:
         """The shard map changed: one pass at a time brings the members' streams to the newest map."""
         if self._sync is None or self._sync.done():
             self._sync = asyncio.ensure_future(self._apply_map())
+            self._sync.add_done_callback(_log_failure)
 
     async def _apply_map(self) -> None:
         while not self._closed:
@@ -314,3 +315,8 @@ class ControlSession:
         except Exception:  # the process is going away; never hang shutdown on the network
             logger.debug("kvpush: control session close", exc_info=True)
         self.loop.stop()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("kvpush: applying the broker's shard map failed", exc_info=task.exception())

@@ -94,6 +94,10 @@ class ProducerCore(Posting):
         # generation -> the end of its stream lease (monotonic), renewed by each of its messages.
         self._streams: dict[int, float] = {}
         self._member_streams: dict[str, int] = {}  # broker member -> its current stream generation
+        self._stream_members: dict[int, str] = {}  # and back
+        # Whose order (or revocation) each key's answer answers: the member that sent it holds the attempt,
+        # and takes the answer even once the transfer moved to another member.
+        self._answer_to: OrderedDict[Key, str] = OrderedDict()
 
     # ---- inputs (from the transfer thread's inbox) ----------------------------------
 
@@ -174,12 +178,19 @@ class ProducerCore(Posting):
         if old is not None:
             self.stream_lost(old)
         self._member_streams[member] = stream
+        self._stream_members[stream] = member
         self._streams[stream] = float("-inf")
 
     def stream_lost(self, stream: int) -> None:
         if self._streams.pop(stream, None) is not None:
-            self._member_streams = {m: s for m, s in self._member_streams.items() if s != stream}
+            member = self._stream_members.pop(stream)
+            if self._member_streams.get(member) == stream:
+                del self._member_streams[member]
             self._drop_unposted(stream)
+
+    def answer_member(self, key: Key) -> str | None:
+        """The broker member whose order or revocation for key came last: the one its answer goes to."""
+        return self._answer_to.get(key)
 
     def stream_message(self, stream: int, message: rv_pb.StreamWriteOrdersResponse) -> None:
         if stream not in self._streams:
@@ -192,6 +203,9 @@ class ProducerCore(Posting):
         lease_end = now + message.stream_lease.ToTimedelta().total_seconds() - age
         self._streams[stream] = max(self._streams[stream], lease_end)
         kind = message.WhichOneof("message")
+        if kind in ("order", "revocation"):
+            body = getattr(message, kind)
+            self._remember(self._answer_to, (body.key.transfer_id, body.key.attempt), self._stream_members[stream])
         if kind == "order":
             self._on_order(message.order, stream, now + message.order.write_budget.ToTimedelta().total_seconds() - age, sent_ns)
         elif kind == "revocation":

@@ -7,6 +7,9 @@ of transfer_id (kvpush.shards); an engine keeps one ReportStream per member
 sends each item to its transfer's owner, so a rank holds O(members)
 streams. An unsharded broker is one member (""): every item goes on its one
 stream, exactly as without sharding, with no hashing and no extra message.
+A write result goes instead to the member whose order it answers
+(Report.to) while that member has a stream: a member that lost a transfer
+to a newcomer still holds the attempt and fences it by these answers.
 
 An item answered NOT_SHARD_OWNER (the member's map differs from ours: a
 member joined or left and we have not heard yet) goes again to the owner
@@ -112,7 +115,12 @@ class ReportRouter:
         if member is None and len(self._streams) == 1:
             member = next(iter(self._streams))  # unsharded: no hashing
         for report in reports:
-            owner = member if member is not None else shards.owner(report.message.key.transfer_id, self._streams)
+            if member is not None:
+                owner = member
+            elif report.to is not None and report.to in self._streams:
+                owner = report.to
+            else:
+                owner = shards.owner(report.message.key.transfer_id, self._streams)
             report.member, report.sent = owner, False
             if self._sharded and report.on_route is not None:
                 report.on_route(owner)

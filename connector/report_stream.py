@@ -57,6 +57,7 @@ class Report:
     sent_ns: int = 0  # wall clock, when first sent
     expires: float = 0.0  # control-loop time after which it is answered DeadlineExceeded
     on_route: Callable[[str], None] | None = None  # sharded broker: called on the control loop with each member it is queued for
+    to: str | None = None  # the member it must go to while that member has a stream (None: its transfer's owner)
     member: str = ""  # the broker member whose stream it is queued on
     sent: bool = False  # it left on that member's stream (the member may have applied it)
     redirects: int = 0  # NOT_SHARD_OWNER answers it followed

@@ -5,7 +5,10 @@ Decode engine: the moment vLLM allocates blocks for a request that expects
 remote KV, the destination is registered with the broker (on the control
 loop: the scheduler never waits on the network). DecodeWaits decides when
 a request that will not get its KV may give its blocks back (only once no
-WRITE can land in them), and the workers report it failed then.
+WRITE can land in them), and the workers report it failed then. With a
+sharded broker it remembers which member each registration went to; when
+that member leaves the shard map the request fails (BROKER_SHARD_LOST) and
+its blocks wait for the hold rule.
 
 Prefill engine: the step in which a request's prefill completes is marked in
 that step's metadata, so each worker hands the blocks to its transfer thread

@@ -122,8 +122,7 @@ class KvpushWorker:
         if self.config.role == "prefill":
             self.reports = self.session.report_stream(self.config.engine_id)
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
-            core = ProducerCore(self.agent, local, self.config.engine_id,
-                                lambda r: self.reports.send(Report("write_results", r)), self.spans, clock,
+            core = ProducerCore(self.agent, local, self.config.engine_id, self._report_write_result, self.spans, clock,
                                 prefill_done=self._report_prefill_done if self.tp_rank == 0 else None)
             self.producer = Producer(core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
@@ -212,6 +211,11 @@ class KvpushWorker:
             if self.tp_rank == 0:
                 self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
                 self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
+
+    def _report_write_result(self, request: rv_pb.ReportWriteResultRequest) -> None:
+        """On the transfer thread: to the broker member whose order it answers (it holds the attempt, owner or not)."""
+        to = self.producer.core.answer_member((request.key.transfer_id, request.key.attempt))
+        self.reports.send(Report("write_results", request, to=to))
 
     def _report_prefill_done(self, source: SourceReady) -> None:
         """On the transfer thread, after any WRITE its early order allowed was posted."""

@@ -4,7 +4,8 @@
 Each member serves WatchShards (the map the test publishes), EngineReports
 (it answers items of transfers it owns, by kvpush.shards over its view of
 the membership, and refuses the others with NOT_SHARD_OWNER naming the
-owner, as a sharded broker does), and StreamWriteOrders /
+owner, as a sharded broker does; write results it takes from anyone, as
+the member that sent an order does), and StreamWriteOrders /
 StreamTransferEvents carrying what the test pushes to that member. What
 WatchShards publishes is set apart from the membership, so a test can make
 an engine's map lag behind the members' own.
@@ -74,7 +75,8 @@ class StreamMember(rv_grpc.RendezvousServiceServicer):
                 for item in getattr(request, kind):
                     answer = getattr(response, kind).add(key=item.key)
                     owner = self._owner(item.key.transfer_id)
-                    if owner != self.member_id:
+                    # A write result answers an order: the member that sent it takes it, owner or not (it holds the attempt).
+                    if owner != self.member_id and kind != "write_results":
                         self.refused.append((kind, item.key.transfer_id))
                         refusal = errors.FailedPrecondition(
                             f"transfer {item.key.transfer_id} is owned by {owner}", reason=errors.Reason.NOT_SHARD_OWNER,

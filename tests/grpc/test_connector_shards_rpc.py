@@ -100,6 +100,28 @@ async def test_each_report_goes_on_its_transfers_owners_stream():
             session.close()
 
 
+async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
+    """The transfer's owner is a, but b sent the order (the transfer moved to a since): b holds the attempt and takes the answer."""
+    cluster = Cluster()
+    async with stream_members(cluster, ["a", "b"]) as members:
+        await cluster.publish(cluster.membership, revision=1)
+        session = session_on(members["a"].address, "prefill-0", "prefill")
+        try:
+            reports = session.report_stream("prefill-0")
+            session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()),
+                                   lambda member: lambda message: None)
+            await sharded_map_applied(members, ORDERS)
+            t_a = owned("a", cluster.membership, 2)
+            answers = Answers()
+            reports.send_many([Report("write_results", sample.write_result_request(t_a[0]), answers.for_(t_a[0]), to="b"),
+                               Report("write_results", sample.write_result_request(t_a[1]), answers.for_(t_a[1]), to="gone")])
+            await eventually(lambda: len(answers.items) == 2)
+            assert members["b"].accepted == [("write_results", t_a[0])]
+            assert members["a"].accepted == [("write_results", t_a[1])]  # no stream to that member: the owner
+        finally:
+            session.close()
+
+
 async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_names():
     """The engine's map lists a and b; c joined and the members know it: c's transfers reach a or b first, and are sent on to c."""
     cluster = Cluster()

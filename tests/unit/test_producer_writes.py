@@ -139,6 +139,14 @@ def test_a_members_lost_stream_drops_only_its_own_orders(pair: Pair):
     assert pair.answers() == [("t2", WRITTEN, 0)]
 
 
+def test_an_answer_goes_to_the_member_whose_order_or_revocation_it_answers(pair: Pair):
+    pair.producer.stream_opened(STREAM + 1, "b")
+    pair.send("order", "t1", stream=STREAM + 1, blocks=(5,), num_tokens=20)
+    pair.send("revocation", "t2")
+    assert pair.producer.answer_member(("t1", 1)) == "b" and pair.producer.answer_member(("t2", 1)) == ""
+    assert pair.producer.answer_member(("t3", 1)) is None
+
+
 def test_a_members_new_stream_replaces_only_that_members_old_one(pair: Pair):
     pair.producer.stream_opened(STREAM + 1, "b")
     pair.send("order", "t1", blocks=(5,), num_tokens=20)
