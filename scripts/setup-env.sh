@@ -3,9 +3,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # The environment every entry point shares, sourced by scripts/test.sh and scripts/demo.sh:
 # builds .venv (once per change of pyproject.toml, this file or scripts/test.sh) and, with
-# --with-browser, installs Debian's chromium for the report tests.
+# --with-browser, installs Debian's chromium for the report tests, with --with-etcd Debian's
+# etcd-server for the tests of the etcd-backed control plane.
 #
-#   source scripts/setup-env.sh && setup_env [--with-browser]
+#   source scripts/setup-env.sh && setup_env [--with-browser] [--with-etcd]
 #
 # Afterwards $PYTHON is the venv's interpreter. Run from the repository root.
 
@@ -68,9 +69,30 @@ setup_browser() {
   log "  done in $((SECONDS - started))s ($(chromium --version 2>/dev/null))"
 }
 
+setup_etcd() {
+  # tests/etcd (and every test of the scaled-out control plane) start real etcd members.
+  if command -v etcd >/dev/null; then
+    return 0
+  fi
+  if [[ "$(id -u)" != 0 ]]; then
+    log "etcd is missing and this is not root: run 'apt-get install -y etcd-server' as root for tests/etcd"
+    return 0
+  fi
+  log "installing Debian's etcd-server (apt-get)"
+  local started=$SECONDS
+  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null
+  log "  done in $((SECONDS - started))s ($(etcd --version 2>/dev/null | head -1))"
+}
+
 setup_env() {
   setup_venv
-  if [[ "${1:-}" == "--with-browser" ]]; then
-    setup_browser
-  fi
+  local option
+  for option in "$@"; do
+    case "$option" in
+      --with-browser) setup_browser ;;
+      --with-etcd) setup_etcd ;;
+      *) echo "$SETUP_LOG_NAME: unknown option $option" >&2; return 1 ;;
+    esac
+  done
 }
