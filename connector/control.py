@@ -97,6 +97,10 @@ class ControlSession:
         """
         self._member_left.append(callback)
 
+    def members(self) -> set[str]:
+        """The broker members this session keeps engine streams to now (any thread; for status and tests)."""
+        return set(self._clients.copy())
+
     # ---- broker members (control loop) ---------------------------------------------------
 
     def _attach(self, router: ReportRouter | None, follower: MemberFollower | None) -> None:
