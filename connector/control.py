@@ -11,7 +11,8 @@ the broker's engine streams (reports, write orders, transfer events) gets
 one stream per member, opened when the member joins and closed when it
 leaves, so a rank holds O(members) streams. An unsharded broker is one
 member, the control plane's address: the streams open at once, on the same
-channel as without sharding, and stay its only ones.
+channel as without sharding, and stay its only ones (the map's watch ends
+once the broker said it is unsharded).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class ControlSession:
         self._followers: list[MemberFollower] = []
         self._member_left: list[Callable[[str, frozenset[str]], None]] = []
         self._sync: asyncio.Task | None = None
+        self._unfollow: asyncio.Task | None = None
 
     def report_stream(self, engine_id: str) -> ReportRouter:
         """Opens engine_id's EngineReports stream to every broker member; each item goes to its transfer's owner, until close()."""
@@ -112,6 +114,7 @@ class ControlSession:
             self._clients[UNSHARDED] = self.broker
             self._shards.add_listener(lambda added, removed: self._resync())
             self._shards.start()
+            self._unfollow = asyncio.ensure_future(self._unfollow_if_unsharded(self._shards))
         if router is not None:
             self._routers.append(router)
             for member, client in self._clients.items():
@@ -120,6 +123,12 @@ class ControlSession:
             self._followers.append(follower)
             for member, client in self._clients.items():
                 self._start(follower, member, client)
+
+    async def _unfollow_if_unsharded(self, shard_map: ShardMap) -> None:
+        """An unsharded broker's map never changes: once it said so, its watch stream goes, leaving today's streams alone."""
+        await shard_map.ready.wait()
+        if not shard_map.sharded:
+            await shard_map.close()
 
     def _start(self, follower: MemberFollower, member: str, client: BrokerClient) -> None:
         name = follower.name if member == UNSHARDED else f"{follower.name} ({member})"

@@ -59,6 +59,7 @@ class StreamMember(rv_grpc.RendezvousServiceServicer):
         self.refused: list[tuple[str, str]] = []  # (kind, transfer_id) it sent elsewhere
         self.hold_answers = False  # swallow report batches (no answer: the engine cannot know what was applied)
         self.held: list[rv_pb.EngineReportsRequest] = []
+        self.watches_open = 0
         self.streams_opened: dict[str, int] = {"StreamWriteOrders": 0, "StreamTransferEvents": 0}
         self._outboxes: dict[str, list[asyncio.Queue]] = {"StreamWriteOrders": [], "StreamTransferEvents": []}
 
@@ -120,14 +121,18 @@ class StreamMember(rv_grpc.RendezvousServiceServicer):
         return len(self._outboxes[method])
 
     async def WatchShards(self, request, context):
-        await self.cluster.answer_watches.wait()
-        sent = None
-        while True:
-            async with self.cluster.changed:
-                while self.cluster.published is sent:
-                    await self.cluster.changed.wait()
-                sent = self.cluster.published
-            yield sent
+        self.watches_open += 1
+        try:
+            await self.cluster.answer_watches.wait()
+            sent = None
+            while True:
+                async with self.cluster.changed:
+                    while self.cluster.published is sent:
+                        await self.cluster.changed.wait()
+                    sent = self.cluster.published
+                yield sent
+        finally:
+            self.watches_open -= 1
 
 
 @contextlib.asynccontextmanager
