@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from kvpush.services.broker.config import BrokerConfig
+from kvpush.services.broker.config import BrokerConfig, ShardMembership
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.registrar.config import RegistrarConfig
 
@@ -59,3 +59,24 @@ def test_credentials_and_caps_come_from_flags_or_the_environment(monkeypatch, tm
     assert server.tokens_dir == tmp_path and not server.mtls
     assert (registrar.max_engines, registrar.max_watches_per_identity) == (8, 3)
     assert (RegistrarConfig().max_engines, RegistrarConfig().max_watches_per_identity) == (4096, 64)
+
+
+def shard_membership(monkeypatch, argv: list[str]) -> ShardMembership:
+    monkeypatch.delenv("KVPUSH_ETCD", raising=False)
+    parser = argparse.ArgumentParser()
+    ShardMembership.add_arguments(parser)
+    return ShardMembership.from_args(parser.parse_args(argv))
+
+
+def test_a_broker_on_etcd_is_a_named_member_that_advertises_where_it_listens(monkeypatch):
+    assert shard_membership(monkeypatch, []).endpoints == ()  # unsharded: nothing else is needed
+    shards = shard_membership(monkeypatch, ["--etcd", "127.0.0.1:1,127.0.0.1:2", "--member-id", "broker-0", "--shard-lease-ttl", "3"])
+    assert (shards.endpoints, shards.member_id, shards.lease_ttl_s, shards.prefix) == (("127.0.0.1:1", "127.0.0.1:2"), "broker-0", 3, "/kvpush/")
+    assert shards.address("127.0.0.1:0", 5000) == "127.0.0.1:5000"
+    with pytest.raises(ValueError, match="--advertise"):
+        shards.address("0.0.0.0:50053", 50053)
+    advertised = shard_membership(monkeypatch, ["--etcd", "127.0.0.1:1", "--member-id", "broker-0", "--advertise", "broker-0.brokers:50053"])
+    assert advertised.address("0.0.0.0:50053", 50053) == "broker-0.brokers:50053"
+    for argv, message in ((["--etcd", "127.0.0.1:1"], "--member-id"), (["--etcd", "127.0.0.1:1", "--member-id", "b", "--etcd-prefix", "/x"], "end with '/'")):
+        with pytest.raises(ValueError, match=message):
+            shard_membership(monkeypatch, argv)
