@@ -58,6 +58,7 @@ class Member(rv_grpc.RendezvousServiceServicer):
         self.member_id = member_id
         self.view: dict[str, str] | None = None  # its own membership view; None: the cluster's
         self.calls: list[tuple[str, str]] = []  # (method, transfer_id), served or refused
+        self.transfer_state = transfer_pb2.TRANSFER_STATE_UNSPECIFIED  # what GetTransfer says of every attempt
         self.address = ""
 
     async def _check_owner(self, method: str, transfer_id: str, context: grpc.aio.ServicerContext) -> None:
@@ -92,7 +93,10 @@ class Member(rv_grpc.RendezvousServiceServicer):
 
     async def GetTransfer(self, request, context):
         await self._check_owner("GetTransfer", request.transfer_id, context)
-        transfer = transfer_pb2.Transfer(key=transfer_pb2.TransferKey(transfer_id=request.transfer_id, attempt=request.attempt), detail=self.member_id)
+        if request.HasField("wait") and self.transfer_state == transfer_pb2.TRANSFER_STATE_UNSPECIFIED:
+            await asyncio.sleep(request.wait.ToTimedelta().total_seconds())  # a long poll of an attempt that never ends
+        key = transfer_pb2.TransferKey(transfer_id=request.transfer_id, attempt=request.attempt)
+        transfer = transfer_pb2.Transfer(key=key, state=self.transfer_state, detail=self.member_id)
         return rv_pb.GetTransferResponse(transfer=transfer)
 
     async def WatchShards(self, request, context):
