@@ -17,6 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvpush import errors
+from kvpush.client import UNSHARDED
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.router.core import (
     BROKER_SIDE,
@@ -90,9 +91,26 @@ def shard_failure(router: Router, ctx: RequestContext, attempt: int, d_endpoint:
     return TransferFailure(Verdict(503, reason, message, BROKER_SIDE), DECODE, d_endpoint, seen)
 
 
-def _shard_lost(router: Router, ctx: RequestContext, attempt: int, d_endpoint: Endpoint, seen: str) -> TransferFailure | None:
-    """shard_failure when the broker could not answer (or did not know the attempt) because its owner is gone, else None."""
-    reason = router.shards.lost(ctx.transfer_id, ctx.broker_owner)
+def _unreachable(error: errors.KvpushError) -> bool:
+    """Whether a failed call says nothing of the attempt: the member was not reached, or could not answer."""
+    return isinstance(error, (errors.Unavailable, errors.DeadlineExceeded)) or error.code == "CANCELLED"
+
+
+async def _shard_lost(router: Router, ctx: RequestContext, attempt: int, d_endpoint: Endpoint, error: errors.KvpushError, seen: str) -> TransferFailure | None:
+    """shard_failure when the broker failed to answer (or did not know the attempt) because the attempt's member is gone, else None.
+
+    A member that cannot be reached may be dead with its lease not lapsed
+    yet: the shard map gets shard_loss_wait_s to drop it.
+    """
+    if ctx.broker_owner.member_id == UNSHARDED:
+        return None
+    lost = router.shards.watch(ctx.transfer_id, ctx.broker_owner)
+    try:
+        if not lost.done() and _unreachable(error):
+            await asyncio.wait([lost], timeout=router.config.shard_loss_wait_s)
+        reason = lost.result() if lost.done() else ""
+    finally:
+        router.shards.unwatch(lost)
     return shard_failure(router, ctx, attempt, d_endpoint, reason, seen) if reason else None
 
 
@@ -101,7 +119,7 @@ async def explain_decode_failure(router: Router, ctx: RequestContext, attempt: i
     try:
         record = await _lookup(router, ctx.transfer_id, attempt)
     except errors.KvpushError as exc:
-        lost = _shard_lost(router, ctx, attempt, d_endpoint, str(failure))
+        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure))
         if lost is not None:
             return lost
         if not isinstance(exc, errors.NotFound):
@@ -122,8 +140,8 @@ async def explain_overdue(router: Router, ctx: RequestContext, attempt: int, p_e
     """A leg timeout: the broker's reason when the attempt ended without the KV, else the timeout itself."""
     try:
         record = await _lookup(router, ctx.transfer_id, attempt)
-    except errors.KvpushError:
-        return _shard_lost(router, ctx, attempt, d_endpoint, str(failure)) or failure
+    except errors.KvpushError as exc:
+        return await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure)) or failure
     verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
     return failure if verdict is None else transfer_failure(verdict, p_endpoint, d_endpoint, str(failure))
 
@@ -137,7 +155,7 @@ async def at_transfer_deadline(
     try:
         record = await _lookup(router, ctx.transfer_id, attempt)
     except errors.KvpushError as exc:
-        lost = _shard_lost(router, ctx, attempt, d_endpoint, "no decode output by the transfer deadline")
+        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, "no decode output by the transfer deadline")
         if lost is not None:
             return lost
         if isinstance(exc, errors.NotFound):

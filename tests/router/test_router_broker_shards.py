@@ -147,3 +147,15 @@ async def test_shard_watch_tells_a_lost_owner_from_a_moved_transfer():
         finally:
             watch.close()
             await shard_map.close()
+
+
+async def test_the_embedded_control_plane_is_one_unsharded_shard(plane, spans):
+    prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just("ok")))
+    try:
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            shard_map = router.router.broker.shard_map
+            assert await shard_map.wait_ready(WAIT_S)
+            assert (shard_map.sharded, shard_map.members()) == (False, {UNSHARDED: f"127.0.0.1:{plane.port}"})
+            assert router.router.shards.owner("xfer-1") == Owner(UNSHARDED, f"127.0.0.1:{plane.port}")
+    finally:
+        await stop(prefill, decode)
