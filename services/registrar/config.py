@@ -69,8 +69,8 @@ def _endpoints(value: str) -> tuple[str, ...]:
 class EtcdBacking(Settings):
     """Where an etcd-backed registrar replica keeps the directory; no endpoints: the registrar keeps it in process."""
 
-    endpoints: tuple[str, ...] = setting(
-        (), flag="--etcd", env="KVPUSH_ETCD", convert=_endpoints, metavar="HOST:PORT,...", help="etcd endpoints; replicas on one etcd serve one directory"
+    endpoints: tuple[str, ...] | None = setting(
+        None, flag="--etcd", env="KVPUSH_ETCD", convert=_endpoints, metavar="HOST:PORT,...", help="etcd endpoints; replicas on one etcd serve one directory"
     )
     prefix: str = setting("/kvpush/", flag="--etcd-prefix", env="KVPUSH_ETCD_PREFIX", help="etcd key prefix of this deployment's keys")
     timeout_s: float = setting(5.0, flag="--etcd-timeout", env="KVPUSH_ETCD_TIMEOUT_S", convert=float, positive=True, help="deadline of each etcd call")
