@@ -85,6 +85,8 @@ class BrokerCore:
             lambda: counts[a.WAITING_FOR_REGISTRATION],
             lambda: sum(counts[s] for s in a.LIVE),
         )
+        membership = self._ownership.membership
+        self.metrics.read_shard_gauges_from(lambda: len(membership.members()), lambda: float(membership.serving()))
 
     # ----- counts and hooks -----
 
@@ -167,7 +169,6 @@ class BrokerCore:
     def _arrive(self, side: int, request, caller_engine_id: str, parent: Context | None) -> Attempt:
         decode = side == a.DECODE_SIDE
         transfer_id, number = checks.check_key(request.key)
-        self._check_owner(transfer_id, "key.transfer_id")
         mine_field = "destination" if decode else "source"
         if not request.HasField(mine_field):
             raise InvalidArgument(f"{mine_field} is required", reason=Reason.FIELD_REQUIRED, field=mine_field)
@@ -175,7 +176,7 @@ class BrokerCore:
         checks.check_caller(mine.engine_id, caller_engine_id, f"{mine_field}.engine_id")
         now = self._clock.now()
 
-        att = self._store.find(transfer_id, number)
+        att = self._find_held(transfer_id, number)
         if att is not None:
             recorded = att.dest if decode else att.src
             if recorded is not None:
@@ -187,6 +188,8 @@ class BrokerCore:
             late_prefill_done = not decode and att.state == a.DONE
             if att.ended and not late_prefill_done:
                 raise checks.ended_error(att)
+        if att is None or not att.ended:
+            self._check_owner(transfer_id, "key.transfer_id")  # it would start or move an attempt
 
         # Checks that depend on the engines and the request's content.
         my_info = self._planner.engine(
@@ -268,7 +271,7 @@ class BrokerCore:
     def report_write_result(self, request: rv_pb.ReportWriteResultRequest, caller_engine_id: str) -> rv_pb.ReportWriteResultResponse:
         """Records what a producer rank did with its order or revocation."""
         transfer_id, number = checks.check_write_result(request, caller_engine_id)
-        att = self._store.find(transfer_id, number)
+        att = self._find_held(transfer_id, number)
         if att is None:
             # The member that sent an order fences it, owner or not: it takes the answer while it holds the attempt.
             self._check_owner(transfer_id, "key.transfer_id")
@@ -315,9 +318,10 @@ class BrokerCore:
         actor = actor_of(self._directory, caller_engine_id)
         caller_engine_id = caller_engine_id or ""
         validation.check_id(key.transfer_id, "key.transfer_id")
-        self._check_owner(key.transfer_id, "key.transfer_id")
         validation.check_text(detail, "detail", self._config.max_text_length, required=False)
         transfer_id, number = key.transfer_id, key.attempt
+        if number == 0 or self._find_held(transfer_id, number) is None:
+            self._check_owner(transfer_id, "key.transfer_id")  # every attempt, or one it does not hold: the owner's
         record = self._store.record(transfer_id)
         now = self._clock.now()
         detail = detail or f"cancelled by {actor.name.lower()}"
@@ -351,13 +355,9 @@ class BrokerCore:
         return rv_pb.CancelTransferResponse(state=att.state, fenced=att.fenced)
 
     def get_transfer(self, transfer_id: str, attempt: int = 0) -> tr_pb.Transfer:
-        """The attempt's record (attempt 0: the newest one remembered).
-
-        A member answers about an attempt it holds, owner or not (how an
-        attempt it no longer owns ended); anything else only the owner does.
-        """
+        """The attempt's record (attempt 0: the newest one remembered)."""
         validation.check_id(transfer_id, "transfer_id")
-        if attempt == 0 or self._store.find(transfer_id, attempt) is None:
+        if attempt == 0 or self._find_held(transfer_id, attempt) is None:
             self._check_owner(transfer_id, "transfer_id")
         record = self._store.record(transfer_id)
         att = None
@@ -427,6 +427,17 @@ class BrokerCore:
         """Refuses (UNAVAILABLE BROKER_SHARD_LOST) while this member is not serving."""
         self.on_membership_change()
         self._ownership.check_serving()
+
+    def _find_held(self, transfer_id: str, number: int) -> Attempt | None:
+        """The attempt if this member holds it, once any membership change is acted on.
+
+        A member answers about the attempts it holds, owner or not (an
+        identical repeat gets the recorded answer; an order's answer reaches
+        the member that sent it); whatever would start an attempt, or is
+        about one it does not hold or every attempt, is the owner's.
+        """
+        self.on_membership_change()
+        return self._store.find(transfer_id, number)
 
     def _check_owner(self, transfer_id: str, field: str) -> None:
         """Acts on a membership change not acted on yet, then refuses a transfer this member may not serve."""

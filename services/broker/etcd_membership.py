@@ -51,6 +51,7 @@ class EtcdMembership(MapMembership):
         self._key = self._prefix + member_id.encode()
         self._lease_ttl_s = lease_ttl_s
         self._max_backoff_s = max_backoff_s
+        self._closed = False
 
     def _held(self) -> bool:
         return self._lease is not None and self._lease.held()
@@ -58,17 +59,20 @@ class EtcdMembership(MapMembership):
     async def run(self) -> None:
         """Joins, follows the map, and joins again whenever the lease is lost; until cancelled."""
         backoff = Backoff(0.1, self._max_backoff_s)
-        while True:
+        while not self._closed:
             try:
                 await self._hold_membership(backoff)
             except (KvpushError, _Evicted) as exc:
+                if self._closed:
+                    return
                 logger.warning("broker member %s is out of the shard map (%s); joining again in %.1fs", self.member_id, exc, backoff.delay_s)
             finally:
                 await self._drop_lease()
             await backoff.sleep()
 
     async def close(self) -> None:
-        """Leaves the map at once (revoking the lease deletes the key) rather than when the lease would lapse."""
+        """Leaves the map for good, at once (revoking the lease deletes the key) rather than when the lease would lapse."""
+        self._closed = True
         await self._drop_lease()
 
     async def _hold_membership(self, backoff: Backoff) -> None:
@@ -109,17 +113,18 @@ class EtcdMembership(MapMembership):
 
     async def _list(self) -> int:
         kvs, revision = await self._client.get_prefix(self._prefix)
-        members: dict[str, str] = {}
-        for kv in kvs:
-            shard = rv_pb.BrokerShard.FromString(kv.value)
-            members[shard.member_id] = shard.address
+        members = {self._member_of(kv.key): rv_pb.BrokerShard.FromString(kv.value).address for kv in kvs}
         if self.member_id not in members:
             raise _Evicted(f"its key {self._key.decode()} is missing")
         self.update(members, revision)
         return revision
 
+    def _member_of(self, key: bytes) -> str:
+        """The member a key belongs to: the key names it (the value only says where it is reached)."""
+        return key[len(self._prefix):].decode()
+
     def _apply(self, members: dict[str, str], event: Event) -> None:
-        member_id = event.kv.key[len(self._prefix):].decode()
+        member_id = self._member_of(event.kv.key)
         if event.type == "DELETE":
             members.pop(member_id, None)
             if member_id == self.member_id:

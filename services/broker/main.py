@@ -111,13 +111,16 @@ async def serve(
     metrics = MetricsServer(server_config, registry)
 
     background = [directory.run(), deadlines.run(), _follow_health(running, directory, broker)]
-    after_stop = [metrics.close, channel.close]
+    before_stop, after_stop = [broker.close], [metrics.close, channel.close]
     if membership is not None:
         membership.address = shards.address(server_config.listen, running.port)
         background.append(membership.run())
-        after_stop += [membership.close, etcd.close]  # leaving the map at once, not a lease ttl later
+        # A stopping member leaves the map first (at once, not a lease ttl later), so callers go to the new owners;
+        # its live attempts end BROKER_SHARD_LOST while their streams are still open.
+        before_stop.insert(0, membership.close)
+        after_stop.append(etcd.close)
     announce("broker", server_config, running.port, metrics.port)
-    return await serve_until_signalled(running, server_config, background=background, before_stop=[broker.close], after_stop=after_stop)
+    return await serve_until_signalled(running, server_config, background=background, before_stop=before_stop, after_stop=after_stop)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from kvpush.etcd.client import EtcdClient
 from kvpush.services.broker.etcd_membership import EtcdMembership, brokers_prefix
 
 WAIT_S = 10.0
-TTL_S = 1
+TTL_S = 2
 
 
 @contextlib.asynccontextmanager

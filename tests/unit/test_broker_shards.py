@@ -154,7 +154,10 @@ def test_losing_the_lease_ends_every_live_attempt_shard_lost_and_refuses_everyth
     h.prefill_done(mine[2])
     h.kinds()
     watch = h.broker.watch_shards()
+    gauge = h.broker.metrics.registry.get_sample_value
+    assert (gauge("kvpush_broker_shard_serving"), gauge("kvpush_broker_shard_members")) == (1.0, 2.0)
     membership.lose_lease()
+    assert gauge("kvpush_broker_shard_serving") == 0.0
     for transfer_id in mine:
         transfer = h.broker.get_transfer(transfer_id, 1)
         assert (transfer.state, transfer.end_reason) == (S.TRANSFER_STATE_FAILED, S.END_REASON_BROKER_SHARD_LOST)
@@ -177,8 +180,24 @@ def test_a_lease_that_lapsed_unannounced_is_acted_on_at_the_next_request():
     mine = owned_by("a", "ab")
     h.register(mine)
     membership.lose_lease(tell=False)
-    expect(errors.Unavailable, Reason.BROKER_SHARD_LOST, "", h.prefill_done, mine)
+    # The attempt ends before the request is answered, and the answer is about the ended attempt it holds.
+    error = expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, mine)
+    assert "lost its membership" in error.message
     assert h.broker.get_transfer(mine, 1).end_reason == S.END_REASON_BROKER_SHARD_LOST
+    expect(errors.Unavailable, Reason.BROKER_SHARD_LOST, "", h.prefill_done, mine, 2)
+
+
+def test_a_member_answers_about_the_attempts_it_holds_after_they_moved_away():
+    h, membership = sharded(members=("a",))
+    moving = owned_by("c", "ac")
+    h.register(moving)
+    membership.change({m: ADDRESSES[m] for m in "ac"})
+    # A retried registration gets the recorded answer, not a redirect: the new owner must never take the same blocks too.
+    repeat = h.register(moving)
+    assert (repeat.state, repeat.fenced) == (S.TRANSFER_STATE_FAILED, True)
+    assert h.cancel(moving, 1).state == S.TRANSFER_STATE_FAILED
+    expect(errors.FailedPrecondition, Reason.NOT_SHARD_OWNER, "key.transfer_id", h.cancel, moving, 0)
+    expect(errors.FailedPrecondition, Reason.NOT_SHARD_OWNER, "key.transfer_id", h.register, moving, 2)
 
 
 def test_a_member_not_yet_in_the_map_serves_nothing():
