@@ -51,6 +51,7 @@ class ControlSession:
         self.config = config
         client_config = ClientConfig(
             target=config.control_plane,
+            broker_target=config.broker,
             token=config.token,
             ca_cert_path=config.tls_ca,
             client_cert_path=config.tls_cert,

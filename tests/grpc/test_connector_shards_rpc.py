@@ -38,7 +38,9 @@ ORDERS, EVENTS = "StreamWriteOrders", "StreamTransferEvents"
 
 
 def session_on(seed: str, engine_id: str = "decode-0", role: str = "decode") -> ControlSession:
-    return ControlSession(ConnectorConfig(engine_id=engine_id, role=role, control_plane=seed, token="t", rpc_timeout_s=2.0), "test-shards")
+    """A session whose broker (seed) is apart from its registrar, as in the scaled-out form (the registrar is not called here)."""
+    config = ConnectorConfig(engine_id=engine_id, role=role, control_plane="127.0.0.1:1", broker=seed, token="t", rpc_timeout_s=2.0)
+    return ControlSession(config, "test-shards")
 
 
 def owned(member: str, members, count: int, prefix: str = "t") -> list[str]:
@@ -72,10 +74,9 @@ def registration(transfer_id: str, answers: Answers, **kwargs) -> Report:
     return Report("registrations", sample.destination_request(transfer_id), answers.for_(transfer_id), **kwargs)
 
 
-async def sharded_map_applied(session_members: dict[str, StreamMember], method: str) -> None:
-    """Each member has the follower's one stream, and the seed's own stream (on the first member) is closed."""
-    await eventually(lambda: all(m.open_streams(method) == 1 for m in session_members.values())
-                     and sum(m.streams_opened[method] for m in session_members.values()) == len(session_members) + 1)
+async def sharded_map_applied(session: ControlSession, session_members: dict[str, StreamMember], method: str) -> None:
+    """The session keeps streams to exactly these members, and each has the follower's one stream (the seed's is closed)."""
+    await eventually(lambda: session.members() == set(session_members) and all(m.open_streams(method) == 1 for m in session_members.values()))
 
 
 async def test_each_report_goes_on_its_transfers_owners_stream():
@@ -87,7 +88,7 @@ async def test_each_report_goes_on_its_transfers_owners_stream():
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
-            await sharded_map_applied(members, EVENTS)
+            await sharded_map_applied(session, members, EVENTS)
             transfers = owned("a", cluster.membership, 10) + owned("b", cluster.membership, 10)
             answers = Answers()
             reports.send_many([registration(t, answers) for t in transfers])
@@ -110,7 +111,7 @@ async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
             reports = session.report_stream("prefill-0")
             session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()),
                                    lambda member: lambda message: None)
-            await sharded_map_applied(members, ORDERS)
+            await sharded_map_applied(session, members, ORDERS)
             t_a = owned("a", cluster.membership, 2)
             answers = Answers()
             reports.send_many([Report("write_results", sample.write_result_request(t_a[0]), answers.for_(t_a[0]), to="b"),
@@ -133,7 +134,7 @@ async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
-            await sharded_map_applied({m: members[m] for m in lagging}, EVENTS)
+            await sharded_map_applied(session, {m: members[m] for m in lagging}, EVENTS)
             to_c = owned("c", cluster.membership, 6)
             answers = Answers()
             reports.send_many([registration(t, answers) for t in to_c + owned("a", cluster.membership, 3)])
@@ -227,7 +228,8 @@ async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair)
 
         try:
             session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()), producer.open_stream, on_lost)
-            await sharded_map_applied(members, ORDERS)
+            await sharded_map_applied(session, members, ORDERS)
+            opened_at_a = members["a"].streams_opened[ORDERS]
             t_a, t_b = owned("a", cluster.membership, 1)[0], owned("b", cluster.membership, 1)[0]
             members["a"].push(ORDERS, pair.message("order", t_a))
             members["b"].push(ORDERS, pair.message("order", t_b))
@@ -240,7 +242,7 @@ async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair)
             await asyncio.sleep(0.3)
             assert [(r.key.transfer_id, r.outcome) for r in pair.reports] == [(t_a, tr_pb.WRITE_OUTCOME_WRITTEN)]
             assert producer.has_work()  # t_b's source waits for a new order from its owner, its closure or its hold deadline
-            assert members["a"].streams_opened[ORDERS] == 2 and members["a"].open_streams(ORDERS) == 1  # a's stream lived on
+            assert members["a"].streams_opened[ORDERS] == opened_at_a and members["a"].open_streams(ORDERS) == 1  # a's stream lived on
         finally:
             session.close()
 
@@ -271,7 +273,7 @@ async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_the
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
-            await sharded_map_applied(members, EVENTS)
+            await sharded_map_applied(session, members, EVENTS)
             t_a, (t_b, t_b2) = owned("a", cluster.membership, 1)[0], owned("b", cluster.membership, 2)
             answers = Answers()
             for transfer_id in (t_a, t_b, t_b2):
