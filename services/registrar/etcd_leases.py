@@ -76,11 +76,15 @@ class EtcdLeases:
                     field="rank.engine_id",
                 )
             lease, granted = await self._client.grant(ttl_s)
-            success = [op_put(self._keys.departure(rank.engine_id, inc), RemovalReason.REPLACED.encode(), lease) for inc in {self._incarnation(kv.key) for kv in old}]
+            # A new incarnation: the old one's ranks go in the same Txn, with
+            # a departure key (on the new lease) saying they were replaced.
+            replaced = {self._incarnation(kv.key) for kv in old}
+            success = [op_put(self._keys.departure(rank.engine_id, inc), RemovalReason.REPLACED.encode(), lease) for inc in replaced]
             success += [op_delete(kv.key) for kv in old]
             success.append(op_put(key, encode_rank(request, granted, self._clock.wall()), lease))
+            compares = [compare_version(key, "=", 0), unchanged_since(self._keys.engine(rank.engine_id), read_revision)]
             try:
-                committed, revision = await self._client.txn([compare_version(key, "=", 0), unchanged_since(self._keys.engine(rank.engine_id), read_revision)], success)
+                committed, revision = await self._client.txn(compares, success)
             except (Unavailable, DeadlineExceeded) as exc:
                 # It may have committed; the next round reads whether it did
                 # (then it answers as a repeat, with this lease).
