@@ -87,6 +87,8 @@ class EtcdCluster:
 
         On failure everything started is stopped and removed again.
         """
+        if self.workdir is not None:
+            self.workdir.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix="kvpush-etcd-", dir=self.workdir))
         try:
             for attempt in range(1, START_ATTEMPTS + 1):

@@ -18,6 +18,7 @@ def data_dirs(workdir):
 
 
 def test_stop_ends_every_member_and_removes_the_data(tmp_path):
+    tmp_path = tmp_path / "made-by-start"
     with EtcdCluster(1, tmp_path) as cluster:
         assert len(cluster.endpoints) == 1 and cluster.endpoints[0].startswith("127.0.0.1:")
         pid = cluster.pid(0)

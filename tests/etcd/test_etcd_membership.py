@@ -98,3 +98,20 @@ async def test_a_restarted_member_takes_its_key_over_from_its_old_lease(etcd_clu
         await until(a.serving)
         await asyncio.sleep(TTL_S + 0.5)  # the old lease expires: the key is the new lease's now
         assert a.serving() and (await etcd.get(key)).lease != old_lease
+
+
+async def test_losing_one_etcd_member_costs_the_membership_nothing(etcd_cluster, etcd_prefix):
+    async with member(etcd_cluster.endpoints, etcd_prefix, "a") as a:
+        await until(a.serving)
+        lapses = []
+        a.add_listener(lambda: lapses.append(a.serving()) if not a.serving() else None)
+        await asyncio.to_thread(etcd_cluster.kill, 0)  # the member its client talks to first
+        try:
+            async with member(etcd_cluster.endpoints, etcd_prefix, "bb"):
+                await until(lambda: set(a.members()) == {"a", "bb"})
+                for _ in range(20):  # a lease ttl and then some: renewals go to the others
+                    assert a.serving()
+                    await asyncio.sleep(0.1)
+        finally:
+            await asyncio.to_thread(etcd_cluster.restart, 0)
+        assert lapses == []
