@@ -73,7 +73,12 @@ class ShardMap:
         return member_id, self._members[member_id]
 
     def add_listener(self, listener: Listener) -> None:
-        """Calls listener(added, removed) on every change of the members after this."""
+        """Calls listener(added, removed) on every change of the members after this.
+
+        A sharded broker's first map is a change too: its members are
+        added and UNSHARDED (the seed) is removed. An unsharded broker's
+        map changes nothing, so its listeners are never called.
+        """
         self._listeners.append(listener)
 
     def remove_listener(self, listener: Listener) -> None:
