@@ -28,7 +28,7 @@ from kvpush.shards import owner
 RECOVER_TIMEOUT_S = 180.0
 # shard-kill's probes: one started this often, at most this many at once, each decoding this many tokens.
 PROBE_INTERVAL_S = 0.2
-PROBES_IN_FLIGHT = 4
+PROBES_IN_FLIGHT = 16
 PROBE_MAX_TOKENS = 4
 # End reasons a failed probe's answer may name (the first found is counted).
 PROBE_REASONS = tuple(transfer_pb2.EndReason.Name(value).removeprefix("END_REASON_") for value in transfer_pb2.EndReason.values() if value)
