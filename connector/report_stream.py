@@ -91,11 +91,19 @@ class ReportStream:
         expires = self._loop.time() + self._timeout_s
         for report in reports:
             report.expires = expires
-        self.put(reports)
+        self._queue.extend(reports)
+        self._wakeup.set()
 
     def put(self, reports: list[Report]) -> None:
-        """Queues items whose expiry is already set (control loop only)."""
+        """Queues items whose expiry is already set (control loop only).
+
+        Items moved from another member's stream keep their own, earlier,
+        expiry: the queue is kept in expiry order, so each is answered at it.
+        """
+        late = bool(self._queue) and min(r.expires for r in reports) < self._queue[-1].expires
         self._queue.extend(reports)
+        if late:
+            self._queue = deque(sorted(self._queue, key=lambda r: r.expires))
         self._wakeup.set()
 
     def take_pending(self) -> list[Report]:

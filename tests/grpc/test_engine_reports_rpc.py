@@ -153,3 +153,21 @@ async def test_an_item_with_no_answer_within_the_timeout_is_answered_deadline_ex
         finally:
             loop.call(broker.close(0.1), timeout_s=2.0)
             loop.stop()
+
+
+async def test_an_item_moved_from_another_members_stream_is_answered_at_its_own_expiry():
+    """Queued behind items that expire later (it kept its expiry when it moved), it still gets DeadlineExceeded at its own."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        stream, loop, broker = report_stream(f"127.0.0.1:{closed.getsockname()[1]}", "decode-0", timeout_s=5.0)
+        try:
+            later, moved = Answers(1), Answers(1)
+            stream.send(Report("registrations", sample.destination_request("t1"), later))
+            await asyncio.sleep(0.1)
+            item = Report("registrations", sample.destination_request("t2"), moved, expires=loop.loop.time() + 0.3)
+            loop.loop.call_soon_threadsafe(stream.put, [item])
+            assert await asyncio.to_thread(moved.done.wait, 2.0)
+            assert isinstance(moved.items[0][1], errors.DeadlineExceeded) and not later.done.is_set()
+        finally:
+            loop.call(broker.close(0.1), timeout_s=2.0)
+            loop.stop()
