@@ -460,7 +460,7 @@ class BrokerCore:
             if not ownership.serving:
                 self._machine.end(att, a.FAILED, tr_pb.END_REASON_BROKER_SHARD_LOST, f"broker member {me} lost its membership", now)
             elif not ownership.owns(att.transfer_id):
-                owner = ownership.membership.owner(att.transfer_id)
+                owner = ownership.owner(att.transfer_id)
                 self._machine.end(att, a.FAILED, tr_pb.END_REASON_BROKER_SHARD_MOVED, f"the transfer moved to broker member {owner}", now)
         if ownership.serving:
             self._shard_watches.changed(ownership.membership)
