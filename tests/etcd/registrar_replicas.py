@@ -11,6 +11,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
@@ -19,7 +20,7 @@ from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.server import Service, build_server
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.registrar import servicer as registrar_servicer
-from kvpush.services.registrar.config import EtcdBacking, RegistrarConfig
+from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.replica import EtcdReplica
 
 IDENTITIES = (ROUTER_IDENTITY, BROKER_IDENTITY, "prefill-0", "prefill-1", "decode-0", "decode-1")
@@ -75,7 +76,7 @@ class Replica:
 @contextlib.asynccontextmanager
 async def running_replica(endpoints: list[str], prefix: bytes, config: RegistrarConfig = CONFIG):
     """A replica serving RegistrarService once its mirror synced; stopped on exit."""
-    replica = EtcdReplica(config, EtcdBacking(endpoints=tuple(endpoints), prefix=prefix.decode()), SystemClock())
+    replica = EtcdReplica(config, EtcdSettings(endpoints=tuple(endpoints), prefix=prefix.decode()), SystemClock())
     servicer = registrar_servicer.RegistrarServicer(replica.directory, replica.leases, Authenticator(mtls=False))
     running = await build_server(
         ServerConfig(listen="127.0.0.1:0"),
