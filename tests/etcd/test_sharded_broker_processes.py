@@ -4,22 +4,18 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 import grpc
 from sharded_brokers import LEASE_TTL_S, NOT_SERVING, SERVING, T, deployment, map_until, next_map, until_health
 
-from kvpush import shards, status
+from kvpush import status
 from kvpush.errors import Reason
 from kvpush.etcd.client import EtcdClient
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.etcd_membership import brokers_prefix
 from kvpush.services.common import sample_engines as sample
-
-
-def owned_by(member_id: str, member_ids) -> str:
-    return next(f"t{i}" for i in itertools.count() if shards.owner(f"t{i}", member_ids) == member_id)
+from tests.sharding import owned_by
 
 
 def refusal(error: grpc.aio.AioRpcError) -> tuple[grpc.StatusCode, str, dict[str, str]]:

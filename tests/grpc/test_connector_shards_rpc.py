@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import time
 
 import pytest
-from rpc_harness import WAIT_S
 from stream_members import Cluster, StreamMember, stream_members
 
 from kvpush import errors, shards
@@ -32,6 +30,7 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import ManualClock, SystemClock
+from tests.sharding import eventually, owned
 from tests.unit.nixl_pair import IDLE, POLL, Pair
 
 ORDERS, EVENTS = "StreamWriteOrders", "StreamTransferEvents"
@@ -41,23 +40,6 @@ def session_on(seed: str, engine_id: str = "decode-0", role: str = "decode") -> 
     """A session whose broker (seed) is apart from its registrar, as in the scaled-out form (the registrar is not called here)."""
     config = ConnectorConfig(engine_id=engine_id, role=role, control_plane="127.0.0.1:1", broker=seed, token="t", rpc_timeout_s=2.0)
     return ControlSession(config, "test-shards")
-
-
-def owned(member: str, members, count: int, prefix: str = "t") -> list[str]:
-    """count transfer ids that member owns among members."""
-    found, n = [], 0
-    while len(found) < count:
-        if shards.owner(f"{prefix}{n}", members) == member:
-            found.append(f"{prefix}{n}")
-        n += 1
-    return found
-
-
-async def eventually(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 class Answers:
