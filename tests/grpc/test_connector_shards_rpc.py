@@ -11,7 +11,9 @@ blocks stay held. An unsharded broker gets today's streams, at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
+from collections.abc import Iterator
 
 import pytest
 from stream_members import Cluster, StreamMember, stream_members
@@ -36,10 +38,15 @@ from tests.unit.nixl_pair import IDLE, POLL, Pair
 ORDERS, EVENTS = "StreamWriteOrders", "StreamTransferEvents"
 
 
-def session_on(seed: str, engine_id: str = "decode-0", role: str = "decode") -> ControlSession:
-    """A session whose broker (seed) is apart from its registrar, as in the scaled-out form (the registrar is not called here)."""
+@contextlib.contextmanager
+def session_on(seed: str, engine_id: str = "decode-0", role: str = "decode") -> Iterator[ControlSession]:
+    """A session whose broker (seed) is apart from its registrar, as in the scaled-out form (the registrar is not called here); closed on the way out."""
     config = ConnectorConfig(engine_id=engine_id, role=role, control_plane="127.0.0.1:1", broker=seed, token="t", rpc_timeout_s=2.0)
-    return ControlSession(config, "test-shards")
+    session = ControlSession(config, "test-shards")
+    try:
+        yield session
+    finally:
+        session.close()
 
 
 class Answers:
@@ -65,8 +72,7 @@ async def test_each_report_goes_on_its_transfers_owners_stream():
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address)
-        try:
+        with session_on(members["a"].address) as session:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -79,8 +85,6 @@ async def test_each_report_goes_on_its_transfers_owners_stream():
             for member_id, member in members.items():
                 assert sorted(t for _, t in member.accepted) == sorted(t for t in transfers if shards.owner(t, cluster.membership) == member_id)
                 assert member.refused == []  # straight to the owner: no redirect
-        finally:
-            session.close()
 
 
 async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
@@ -88,8 +92,7 @@ async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address, "prefill-0", "prefill")
-        try:
+        with session_on(members["a"].address, "prefill-0", "prefill") as session:
             reports = session.report_stream("prefill-0")
             session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()),
                                    lambda member: lambda message: None)
@@ -101,8 +104,6 @@ async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
             await eventually(lambda: len(answers.items) == 2)
             assert members["b"].accepted == [("write_results", t_a[0])]
             assert members["a"].accepted == [("write_results", t_a[1])]  # no stream to that member: the owner
-        finally:
-            session.close()
 
 
 async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_names():
@@ -111,8 +112,7 @@ async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_
     async with stream_members(cluster, ["a", "b", "c"]) as members:
         lagging = {m: members[m].address for m in ("a", "b")}
         await cluster.publish(lagging, revision=1)
-        session = session_on(members["a"].address)
-        try:
+        with session_on(members["a"].address) as session:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -132,8 +132,6 @@ async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_
             await eventually(lambda: len(answers.items) == 11)
             assert sorted(t for _, t in members["c"].accepted) == sorted(to_c + more)
             assert len(members["a"].refused + members["b"].refused) == len(to_c)  # now straight to c
-        finally:
-            session.close()
 
 
 async def test_reports_sent_before_the_sharded_map_arrives_go_through_the_seed_and_on_to_their_owners():
@@ -141,19 +139,18 @@ async def test_reports_sent_before_the_sharded_map_arrives_go_through_the_seed_a
     cluster.answer_watches.clear()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address)
-        try:
-            reports = session.report_stream("decode-0")
-            transfers = owned("a", cluster.membership, 4) + owned("b", cluster.membership, 4)
-            answers = Answers()
-            reports.send_many([registration(t, answers) for t in transfers])
-            await eventually(lambda: len(answers.items) == len(transfers))
-            assert all(error is None for _, error in answers.items.values())
-            assert sorted(t for _, t in members["b"].accepted) == sorted(transfers[4:])
-            assert sorted(t for _, t in members["a"].refused) == sorted(transfers[4:])
-        finally:
-            cluster.answer_watches.set()
-            session.close()
+        with session_on(members["a"].address) as session:
+            try:
+                reports = session.report_stream("decode-0")
+                transfers = owned("a", cluster.membership, 4) + owned("b", cluster.membership, 4)
+                answers = Answers()
+                reports.send_many([registration(t, answers) for t in transfers])
+                await eventually(lambda: len(answers.items) == len(transfers))
+                assert all(error is None for _, error in answers.items.values())
+                assert sorted(t for _, t in members["b"].accepted) == sorted(transfers[4:])
+                assert sorted(t for _, t in members["a"].refused) == sorted(transfers[4:])
+            finally:
+                cluster.answer_watches.set()
 
 
 async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
@@ -161,8 +158,7 @@ async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
     cluster.answer_watches.clear()  # the map never comes: nothing may wait for it
     async with stream_members(cluster, ["solo"]) as members:
         solo = members["solo"]
-        session = session_on(solo.address)
-        try:
+        with session_on(solo.address) as session:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -179,8 +175,6 @@ async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
             await eventually(lambda: len(answers.items) == 6)
             assert routed == []  # no owner tracking when there is nothing to lose
             assert solo.refused == []
-        finally:
-            session.close()
 
 
 @pytest.fixture
@@ -201,14 +195,13 @@ async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair)
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address, "prefill-0", "prefill")
-        lost: list[str] = []
+        with session_on(members["a"].address, "prefill-0", "prefill") as session:
+            lost: list[str] = []
 
-        def on_lost(member: str) -> None:
-            producer.stream_lost(member)
-            lost.append(member)
+            def on_lost(member: str) -> None:
+                producer.stream_lost(member)
+                lost.append(member)
 
-        try:
             session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()), producer.open_stream, on_lost)
             await sharded_map_applied(session, members, ORDERS)
             opened_at_a = members["a"].streams_opened[ORDERS]
@@ -225,8 +218,6 @@ async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair)
             assert [(r.key.transfer_id, r.outcome) for r in pair.reports] == [(t_a, tr_pb.WRITE_OUTCOME_WRITTEN)]
             assert producer.has_work()  # t_b's source waits for a new order from its owner, its closure or its hold deadline
             assert members["a"].streams_opened[ORDERS] == opened_at_a and members["a"].open_streams(ORDERS) == 1  # a's stream lived on
-        finally:
-            session.close()
 
 
 async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_their_blocks():
@@ -234,24 +225,23 @@ async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_the
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address)
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        left: list[str] = []
+        with session_on(members["a"].address) as session:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            left: list[str] = []
 
-        def member_left(member: str, members_now: frozenset[str]) -> None:
-            inbox.put(("member_left", member, members_now))
-            left.append(member)
+            def member_left(member: str, members_now: frozenset[str]) -> None:
+                inbox.put(("member_left", member, members_now))
+                left.append(member)
 
-        session.on_member_left(member_left)
-        clock = ManualClock()
-        waits = DecodeWaits(clock, hold_margin_s=2.0)
+            session.on_member_left(member_left)
+            clock = ManualClock()
+            waits = DecodeWaits(clock, hold_margin_s=2.0)
 
-        def drain() -> None:
-            while not inbox.empty():
-                kind, *args = inbox.get()
-                waits.routed(*args) if kind == "routed" else waits.member_left(*args)
+            def drain() -> None:
+                while not inbox.empty():
+                    kind, *args = inbox.get()
+                    waits.routed(*args) if kind == "routed" else waits.member_left(*args)
 
-        try:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -286,6 +276,4 @@ async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_the
             fails, cancels = waits.due()
             assert set(fails) == {f"d-{t_b}", f"d-{t_b2}", f"d-{t_a}"} and cancels == [(t_a, 1)]
             assert fails[f"d-{t_b}"].startswith("END_REASON_BROKER_SHARD_LOST")
-        finally:
-            session.close()
 
