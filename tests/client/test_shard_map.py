@@ -13,6 +13,7 @@ from shard_members import Cluster, members
 from kvpush import errors, shards
 from kvpush.client import UNSHARDED, ClientConfig, ShardedBrokerClient, ShardMap
 from kvpush.client.backoff import Backoff
+from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from tests.sharding import eventually
 
@@ -154,7 +155,7 @@ async def test_a_multi_address_seed_follows_the_map_through_the_member_that_answ
     cluster = Cluster()
     async with members(cluster, ["m0", "m1"]) as served:
         await cluster.publish(cluster.membership, revision=2)
-        seed = "ipv4:" + ",".join(member.address for member in served.values())
+        seed = multi_target([member.address for member in served.values()])
         followed = shard_map(seed)
         try:
             assert await followed.wait_ready(WAIT_S)

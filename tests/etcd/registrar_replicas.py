@@ -22,6 +22,7 @@ from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, Iden
 from kvpush.services.registrar import servicer as registrar_servicer
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.replica import EtcdReplica
+from tests.grpc.rpc_harness import Inbox
 
 IDENTITIES = (ROUTER_IDENTITY, BROKER_IDENTITY, "prefill-0", "prefill-1", "decode-0", "decode-1")
 TOKENS = {identity: f"test-token-{identity}" for identity in IDENTITIES}  # every identity's own token
@@ -99,24 +100,18 @@ async def running_replica(endpoints: list[str], prefix: bytes, config: Registrar
         await replica.client.close()
 
 
-class Watch:
-    """A WatchEngines stream read in the background."""
+class Watch(Inbox):
+    """A WatchEngines stream read in the background (tests/grpc/rpc_harness' Inbox)."""
 
     def __init__(self, replica: Replica, identity: str = ROUTER_IDENTITY, **request):
-        self.call = replica.stub.WatchEngines(reg_pb.WatchEnginesRequest(**request), metadata=bearer(identity), timeout=60)
-        self._events: asyncio.Queue[reg_pb.WatchEnginesResponse] = asyncio.Queue()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        async for event in self.call:
-            self._events.put_nowait(event)
+        super().__init__(replica.stub.WatchEngines(reg_pb.WatchEnginesRequest(**request), metadata=bearer(identity), timeout=60))
 
     async def opened(self) -> Watch:
         await asyncio.wait_for(self.call.initial_metadata(), WAIT_S)
         return self
 
     async def next(self, timeout: float = WAIT_S) -> reg_pb.WatchEnginesResponse:
-        return await asyncio.wait_for(self._events.get(), timeout)
+        return await super().next(timeout)
 
     async def take(self, count: int, timeout: float = WAIT_S) -> list[tuple[int, str, str, int, str]]:
         """The next count events as (type, engine_id, incarnation, state, reason)."""
@@ -124,12 +119,7 @@ class Watch:
         return [(e.type, e.engine.engine_id, e.engine.incarnation, e.engine.state, e.reason) for e in events]
 
     def pending(self) -> int:
-        return self._events.qsize()
-
-    async def close(self) -> None:
-        self.call.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        return self._messages.qsize()
 
 
 async def until(condition, timeout: float = WAIT_S) -> None:

@@ -42,8 +42,11 @@ class Deployment:
         self.registrar: KvpushProcess | None = None
         self.brokers: dict[str, KvpushProcess] = {}
 
+    def token(self, identity: str) -> str:
+        return (self.tokens_dir / identity).read_text().strip()
+
     def bearer(self, identity: str) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {(self.tokens_dir / identity).read_text().strip()}"),)
+        return (("authorization", f"Bearer {self.token(identity)}"),)
 
     async def start_registrar(self) -> None:
         self.registrar = KvpushProcess(self.workdir, "registrar", "registrar", "--tokens-dir", str(self.tokens_dir), "--lease-ttl", "60")

@@ -22,8 +22,7 @@ from tests.sharding import eventually, owned_by
 async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and_keep_their_blocks(tmp_path, etcd_cluster, etcd_prefix):
     async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
         await plane.start_brokers("b1", "b2")
-        token = (plane.tokens_dir / "decode-0").read_text().strip()
-        with decode_session(plane.brokers["b1"].address, token, "test-sharded-processes") as decode:
+        with decode_session(plane.brokers["b1"].address, plane.token("decode-0"), "test-sharded-processes") as decode:
             session, waits, clock, answers, register, drain = decode.session, decode.waits, decode.clock, decode.answers, decode.register, decode.drain
             await eventually(lambda: session.members() == {"b1", "b2"})
             both = {"b1", "b2"}

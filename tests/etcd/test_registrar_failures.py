@@ -9,6 +9,7 @@ import time
 import grpc
 from registrar_replicas import TOKENS, UPSERTED, WAIT_S, T, Watch, bearer, running_replica
 
+from kvpush.localstack.scaled import multi_target
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
@@ -97,14 +98,12 @@ async def test_one_replica_killed_leaves_the_other_its_clients_and_the_broker_se
     broker = None
     try:
         await asyncio.gather(a.start(), b.start())
-        port_a, port_b = a.port, b.port
         # The broker follows whichever replica its multi-address target reaches (the first while it lives).
-        broker = await KvpushProcess(tmp_path, "broker", "broker", *shared, "--registrar", f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}").start()
-        broker_port = broker.port
+        broker = await KvpushProcess(tmp_path, "broker", "broker", *shared, "--registrar", multi_target([a.address, b.address])).start()
         async with (
-            grpc.aio.insecure_channel(f"127.0.0.1:{port_a}") as channel_a,
-            grpc.aio.insecure_channel(f"127.0.0.1:{port_b}") as channel_b,
-            grpc.aio.insecure_channel(f"127.0.0.1:{broker_port}") as broker_channel,
+            grpc.aio.insecure_channel(a.address) as channel_a,
+            grpc.aio.insecure_channel(b.address) as channel_b,
+            grpc.aio.insecure_channel(broker.address) as broker_channel,
         ):
             for channel in (channel_a, channel_b):
                 await wait_serving(channel, "kvpush.registrar.v1.RegistrarService")
