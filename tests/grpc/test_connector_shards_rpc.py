@@ -20,20 +20,17 @@ from stream_members import Cluster, StreamMember, stream_members
 
 from kvpush import errors, shards
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.consumer import Consumer
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.params import TransferParams
-from kvpush.connector.producer import Producer
 from kvpush.connector.report_stream import Report
-from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock, SystemClock
+from kvpush.services.common.clock import ManualClock
 from tests.sharding import eventually, owned
-from tests.unit.nixl_pair import IDLE, POLL, Pair
+from tests.unit.nixl_pair import transfer_threads
 
 ORDERS, EVENTS = "StreamWriteOrders", "StreamTransferEvents"
 
@@ -180,14 +177,8 @@ async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
 @pytest.fixture
 def producer_pair():
     """A prefill rank's Producer thread over real NIXL (tests/unit/nixl_pair), on the system clock."""
-    pair = Pair(clock=SystemClock())
-    producer = Producer(pair.producer, POLL, IDLE)
-    consumer = Consumer(pair.consumer, POLL, IDLE)
-    producer.on_engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))
-    yield pair, producer
-    producer.stop()
-    consumer.stop()
-    pair.close()
+    with transfer_threads() as (pair, producer, _):
+        yield pair, producer
 
 
 async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair):
