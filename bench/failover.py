@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.chaos.report import format_report
-from bench.chaos.runner import run
+from bench.chaos.runner import fault_list, run_and_report
 from bench.chaos.settings import FAILOVER_ORDER, short_settings
-from kvpush.localstack.process import interrupt_on_signals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -39,24 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard-lease-ttl", type=float, default=2.0, help="broker members' etcd lease TTL (seconds)")
     parser.add_argument("--run-dir", type=Path, help="where logs and result.json go (default runs/chaos-<timestamp>)")
     parser.add_argument("--model-dir", type=Path, help="the tiny model (built if missing)")
-    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH ('-' for stdout, after the report)")
     args = parser.parse_args(argv)
     settings = dataclasses.replace(
-        short_settings(), scaled=True, faults=tuple(f for f in args.faults.split(",") if f), clients=args.clients, timeout_ms=args.timeout_ms,
+        short_settings(), scaled=True, faults=fault_list(args.faults), clients=args.clients, timeout_ms=args.timeout_ms,
         pre_s=args.pre, post_s=args.post, part_down_s=args.down, shard_lease_ttl_s=args.shard_lease_ttl, run_dir=args.run_dir,
         model_dir=args.model_dir,
     )
-    try:
-        with interrupt_on_signals():
-            result = run(settings)
-    except KeyboardInterrupt:
-        print("failover: interrupted (every process it started was stopped)", file=sys.stderr)
-        return 130
-    print()
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    return 0 if result["verdict"]["passed"] else 1
+    return run_and_report(settings, args.json, "failover")
 
 
 if __name__ == "__main__":

@@ -53,36 +53,32 @@ setup_venv() {
   echo "$wanted_stamp" > "$STAMP"
 }
 
-setup_browser() {
-  # The report tests open the HTML report in headless Chromium.
-  if command -v chromium >/dev/null; then
+# apt_install_tool COMMAND PACKAGE WHAT: installs Debian's PACKAGE (apt-get) unless COMMAND is on the PATH;
+# not being root, says how instead. WHAT names the tests that need it.
+apt_install_tool() {
+  local command=$1 package=$2 what=$3
+  if command -v "$command" >/dev/null; then
     return 0
   fi
   if [[ "$(id -u)" != 0 ]]; then
-    log "chromium is missing and this is not root: run 'apt-get install -y chromium' as root for tests/report"
+    log "$command is missing and this is not root: run 'apt-get install -y $package' as root for $what"
     return 0
   fi
-  log "installing Debian's chromium (apt-get)"
+  log "installing Debian's $package (apt-get)"
   local started=$SECONDS
   DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
-  log "  done in $((SECONDS - started))s ($(chromium --version 2>/dev/null))"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$package" >/dev/null
+  log "  done in $((SECONDS - started))s ($("$command" --version 2>/dev/null | head -1))"
+}
+
+setup_browser() {
+  # The report tests open the HTML report in headless Chromium.
+  apt_install_tool chromium chromium tests/report
 }
 
 setup_etcd() {
   # tests/etcd (and every test of the scaled-out control plane) start real etcd members.
-  if command -v etcd >/dev/null; then
-    return 0
-  fi
-  if [[ "$(id -u)" != 0 ]]; then
-    log "etcd is missing and this is not root: run 'apt-get install -y etcd-server' as root for tests/etcd"
-    return 0
-  fi
-  log "installing Debian's etcd-server (apt-get)"
-  local started=$SECONDS
-  DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null
-  log "  done in $((SECONDS - started))s ($(etcd --version 2>/dev/null | head -1))"
+  apt_install_tool etcd etcd-server tests/etcd
 }
 
 setup_env() {

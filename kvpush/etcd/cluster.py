@@ -10,10 +10,12 @@ etcd then honours leases as short as 1 s.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +130,19 @@ class EtcdCluster:
     def resume(self, index: int) -> None:
         """SIGCONT to a paused member (wait_healthy() waits until it serves again)."""
         self._signal(index, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def paused(self, indexes: Iterable[int] | None = None) -> Iterator[None]:
+        """Pauses members (every one unless indexes says which) for the block and resumes them on the way out (wait_healthy() waits until they serve again)."""
+        paused: list[int] = []
+        try:
+            for index in range(self.size) if indexes is None else indexes:
+                self.pause(index)
+                paused.append(index)
+            yield
+        finally:
+            for index in paused:
+                self.resume(index)
 
     def wait_healthy(self, timeout_s: float | None = None) -> None:
         """Returns once every running member knows a leader; raises StartError after timeout_s."""

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvpush.etcd.cluster import EtcdCluster
-from kvpush.localstack.control_plane import CONTROL_PLANE_START_TIMEOUT_S, DEFAULT_ENGINE_IDS
+from kvpush.localstack.control_plane import CONTROL_PLANE_START_TIMEOUT_S, DEFAULT_ENGINE_IDS, TokenFiles
 from kvpush.localstack.process import GroupProcess, free_port, wait_for_port_file
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, create_tokens
 
@@ -57,12 +57,12 @@ class _Part:
         return f"127.0.0.1:{self.port}"
 
 
-def multi_target(addresses: Sequence[str]) -> str:
+def multi_target(addresses: Iterable[str]) -> str:
     """A gRPC target that reaches any of addresses (the channel moves on when one stops answering)."""
     return "ipv4:" + ",".join(addresses)
 
 
-class ScaledControlPlane:
+class ScaledControlPlane(TokenFiles):
     """etcd members, registrar replicas and broker shards under work_dir; `start()`, `stop()`, kill/restart per part."""
 
     def __init__(self, work_dir: Path, spec: ScaledSpec = ScaledSpec(), *, engine_ids: Sequence[str] = DEFAULT_ENGINE_IDS,
@@ -90,17 +90,6 @@ class ScaledControlPlane:
 
     def member_id(self, index: int) -> str:
         return f"broker-{index}"
-
-    def token_file_of(self, identity: str) -> Path:
-        path = self.tokens_dir / identity
-        if not path.exists():
-            raise ValueError(f"no token for {identity!r}: pass it in engine_ids")
-        return path
-
-    @property
-    def token_file(self) -> Path:
-        """The router's token file."""
-        return self.token_file_of(ROUTER_IDENTITY)
 
     def transfer_config(self, role: str, engine_id: str, **extra: object) -> dict:
         """vLLM --kv-transfer-config of a kvpush engine on this control plane; `extra` goes to kv_connector_extra_config."""

@@ -71,20 +71,10 @@ class UpstreamRegistrar(Settings):
     target: str = setting("127.0.0.1:50052", flag="--registrar", env="KVPUSH_REGISTRAR", help="registrar address (host:port)")
     timeout_s: float = setting(5.0, flag="--registrar-timeout", env="KVPUSH_REGISTRAR_TIMEOUT_S", convert=float, help="deadline of each call to the registrar")
 
-
-def _endpoints(value: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
 @dataclasses.dataclass(frozen=True)
 class ShardMembership(Settings):
-    """Where a sharded broker's members meet (etcd) and which member this one is; no endpoints: an unsharded broker."""
+    """Which member of a sharded broker this one is (the members meet on kvpush.etcd.settings.EtcdSettings' etcd)."""
 
-    endpoints: tuple[str, ...] = setting(
-        (), flag="--etcd", env="KVPUSH_ETCD", convert=_endpoints, metavar="HOST:PORT,...", help="etcd endpoints; brokers on one etcd are shards of one broker"
-    )
-    prefix: str = setting("/kvpush/", flag="--etcd-prefix", env="KVPUSH_ETCD_PREFIX", help="etcd key prefix of this deployment's keys")
-    timeout_s: float = setting(5.0, flag="--etcd-timeout", env="KVPUSH_ETCD_TIMEOUT_S", convert=float, positive=True, help="deadline of each etcd call")
     # member_id stays the same across restarts (a StatefulSet pod name), so a
     # restarted member owns the same transfers again.
     member_id: str = setting("", flag="--member-id", env="KVPUSH_BROKER_MEMBER_ID", help="this broker member's id in the shard map")
@@ -97,14 +87,11 @@ class ShardMembership(Settings):
         2, flag="--shard-lease-ttl", env="KVPUSH_SHARD_LEASE_TTL_S", convert=int, at_least=1, help="seconds of the member's etcd lease"
     )
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.endpoints:
-            return
+    def check_on_etcd(self, listen: str) -> None:
+        """What a broker on etcd needs: a valid --member-id, and an address to advertise (a wildcard --listen needs --advertise)."""
         if ID_PATTERN.fullmatch(self.member_id) is None:
             raise ValueError(f"a broker on etcd needs --member-id, a valid id (1-128 of letters, digits, '.', '_', ':', '-'), not {self.member_id!r}")
-        if not self.prefix.endswith("/"):
-            raise ValueError(f"--etcd-prefix must end with '/', not {self.prefix!r}")
+        self.address(listen, 0)
 
     def address(self, listen: str, port: int) -> str:
         """The address to advertise for a server bound to port from listen."""

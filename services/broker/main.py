@@ -11,7 +11,7 @@ import sys
 import grpc
 from prometheus_client import CollectorRegistry
 
-from kvpush.etcd.client import EtcdClient
+from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
@@ -41,6 +41,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser, listen="127.0.0.1:50053")
     BrokerConfig.add_arguments(parser)
     UpstreamRegistrar.add_arguments(parser)
+    EtcdSettings.add_arguments(parser)
     ShardMembership.add_arguments(parser)
 
 # How often the health status is checked against serving() even without a change heard (a lease can lapse unannounced).
@@ -86,17 +87,19 @@ async def _follow_health(running: RunningServer, directory: RemoteEngineDirector
 
 
 async def serve(
-    server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar: UpstreamRegistrar, shards: ShardMembership
+    server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar: UpstreamRegistrar,
+    etcd_settings: EtcdSettings,
+    shards: ShardMembership,
 ) -> int:
     configure_tracing("kvpush-broker")
     clock = SystemClock()
     channel = _registrar_channel(server_config, registrar.target)
     directory = RemoteEngineDirectory(reg_grpc.RegistrarServiceStub(channel), metadata=_registrar_metadata(tokens), rpc_timeout_s=registrar.timeout_s)
     registry = CollectorRegistry()
-    etcd = EtcdClient(shards.endpoints, timeout_s=shards.timeout_s) if shards.endpoints else None
+    etcd = etcd_settings.client() if etcd_settings.endpoints else None
     membership = None
     if etcd is not None:
-        membership = EtcdMembership(etcd, member_id=shards.member_id, prefix=shards.prefix, lease_ttl_s=shards.lease_ttl_s)
+        membership = EtcdMembership(etcd, member_id=shards.member_id, prefix=etcd_settings.prefix, lease_ttl_s=shards.lease_ttl_s)
     broker = BrokerCore(directory, broker_config, clock, metrics=BrokerMetrics(registry), membership=membership)
     auth = Authenticator(mtls=server_config.mtls)
     running = await build_server(
@@ -128,10 +131,10 @@ def run(args: argparse.Namespace) -> int:
         server_config = ServerConfig.from_args(args)
         tokens = server_tokens(server_config)
         _registrar_metadata(tokens)  # a missing `broker` token stops the start here, with a clear message
-        shards = ShardMembership.from_args(args)
-        if shards.endpoints:
-            shards.address(server_config.listen, 0)  # a wildcard --listen without --advertise stops the start here
-        configs = (server_config, BrokerConfig.from_args(args), tokens, UpstreamRegistrar.from_args(args), shards)
+        etcd, shards = EtcdSettings.from_args(args), ShardMembership.from_args(args)
+        if etcd.endpoints:
+            shards.check_on_etcd(server_config.listen)  # no --member-id, or a wildcard --listen without --advertise, stops the start here
+        configs = (server_config, BrokerConfig.from_args(args), tokens, UpstreamRegistrar.from_args(args), etcd, shards)
     except (ValueError, OSError) as exc:
         print(f"kvpush broker: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Registrar settings: lease bounds, watch queues, caps on engines and watches, request size limits, and the etcd it may run on."""
+"""Registrar settings: lease bounds, watch queues, caps on engines and watches, request size limits (the etcd it may run on: kvpush.etcd.settings)."""
 
 from __future__ import annotations
 
@@ -60,22 +60,3 @@ class RegistrarConfig(Settings):
         if not 0 < self.min_lease_ttl_s <= self.default_lease_ttl_s <= self.max_lease_ttl_s:
             raise ValueError("lease TTLs must satisfy 0 < min <= default <= max")
 
-
-def _endpoints(value: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in value.split(",") if item.strip())
-
-
-@dataclasses.dataclass(frozen=True)
-class EtcdBacking(Settings):
-    """Where an etcd-backed registrar replica keeps the directory; no endpoints: the registrar keeps it in process."""
-
-    endpoints: tuple[str, ...] | None = setting(
-        None, flag="--etcd", env="KVPUSH_ETCD", convert=_endpoints, metavar="HOST:PORT,...", help="etcd endpoints; replicas on one etcd serve one directory"
-    )
-    prefix: str = setting("/kvpush/", flag="--etcd-prefix", env="KVPUSH_ETCD_PREFIX", help="etcd key prefix of this deployment's keys")
-    timeout_s: float = setting(5.0, flag="--etcd-timeout", env="KVPUSH_ETCD_TIMEOUT_S", convert=float, positive=True, help="deadline of each etcd call")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.prefix.endswith("/"):
-            raise ValueError(f"--etcd-prefix must end with '/', not {self.prefix!r}")

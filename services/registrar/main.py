@@ -13,6 +13,7 @@ import sys
 
 from prometheus_client import CollectorRegistry
 
+from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.clock import SystemClock
@@ -21,7 +22,7 @@ from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
 from kvpush.services.common.tokens import IdentityTokens, server_tokens
 from kvpush.services.registrar import servicer as registrar_servicer
-from kvpush.services.registrar.config import EtcdBacking, RegistrarConfig
+from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import LocalLeases, RegistrarCore
 from kvpush.services.registrar.metrics import register_registrar_metrics
 from kvpush.services.registrar.replica import EtcdReplica
@@ -31,10 +32,10 @@ from kvpush.telemetry import configure_tracing
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser, listen="127.0.0.1:50052")
     RegistrarConfig.add_arguments(parser)
-    EtcdBacking.add_arguments(parser)
+    EtcdSettings.add_arguments(parser)
 
 
-async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, etcd: EtcdBacking, tokens: IdentityTokens | None) -> int:
+async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, etcd: EtcdSettings, tokens: IdentityTokens | None) -> int:
     configure_tracing("kvpush-registrar")
     clock = SystemClock()
     if etcd.endpoints:
@@ -74,7 +75,7 @@ async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, 
 def run(args: argparse.Namespace) -> int:
     try:
         server_config = ServerConfig.from_args(args)
-        configs = (server_config, RegistrarConfig.from_args(args), EtcdBacking.from_args(args), server_tokens(server_config))
+        configs = (server_config, RegistrarConfig.from_args(args), EtcdSettings.from_args(args), server_tokens(server_config))
     except (ValueError, OSError) as exc:
         print(f"kvpush registrar: {exc}", file=sys.stderr)
         return 2

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from kvpush.etcd.client import EtcdClient
+from kvpush.etcd.settings import EtcdSettings
 from kvpush.services.common.clock import Clock
-from kvpush.services.registrar.config import EtcdBacking, RegistrarConfig
+from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.directory import Directory
 from kvpush.services.registrar.etcd_keys import EtcdKeys
 from kvpush.services.registrar.etcd_leases import EtcdLeases
@@ -15,8 +15,8 @@ from kvpush.services.registrar.etcd_mirror import EtcdMirror
 class EtcdReplica:
     """Serve `directory` and `leases` once `mirror.synced`; run mirror.run() until stopping, then close()."""
 
-    def __init__(self, config: RegistrarConfig, etcd: EtcdBacking, clock: Clock):
-        self.client = EtcdClient(etcd.endpoints, timeout_s=etcd.timeout_s)
+    def __init__(self, config: RegistrarConfig, etcd: EtcdSettings, clock: Clock):
+        self.client = etcd.client()
         keys = EtcdKeys(etcd.prefix)
         self.directory = Directory(config, clock)
         self.mirror = EtcdMirror(self.client, keys, self.directory, clock)

@@ -49,6 +49,20 @@ class Cluster:
             self.generation += 1
             self.changed.notify_all()
 
+    async def maps(self, context: grpc.aio.ServicerContext) -> AsyncIterator[rv_pb.WatchShardsResponse]:
+        """What a member's WatchShards sends: once answer_watches is set, the published map and every later one."""
+        await self.answer_watches.wait()
+        generation = self.generation
+        sent = None
+        while True:
+            async with self.changed:
+                while self.published is sent and self.generation == generation:
+                    await self.changed.wait()
+                if self.generation != generation:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "member going away")
+                sent = self.published
+            yield sent
+
 
 class Member(rv_grpc.RendezvousServiceServicer):
     """One broker member: records the transfer ids of its unary calls, serves those it owns."""
@@ -60,6 +74,7 @@ class Member(rv_grpc.RendezvousServiceServicer):
         self.calls: list[tuple[str, str]] = []  # (method, transfer_id), served or refused
         self.transfer_state = transfer_pb2.TRANSFER_STATE_UNSPECIFIED  # what GetTransfer says of every attempt
         self.address = ""
+        self.server: grpc.aio.Server | None = None
 
     async def _check_owner(self, method: str, transfer_id: str, context: grpc.aio.ServicerContext) -> None:
         self.calls.append((method, transfer_id))
@@ -100,36 +115,25 @@ class Member(rv_grpc.RendezvousServiceServicer):
         return rv_pb.GetTransferResponse(transfer=transfer)
 
     async def WatchShards(self, request, context):
-        await self.cluster.answer_watches.wait()
-        cluster = self.cluster
-        generation = cluster.generation
-        sent = None
-        while True:
-            async with cluster.changed:
-                while cluster.published is sent and cluster.generation == generation:
-                    await cluster.changed.wait()
-                if cluster.generation != generation:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "member going away")
-                sent = cluster.published
-            yield sent
+        async for response in self.cluster.maps(context):
+            yield response
 
 
 @contextlib.asynccontextmanager
-async def members(cluster: Cluster, member_ids: list[str]) -> AsyncIterator[dict[str, Member]]:
-    """Serves one Member per id on its own 127.0.0.1 port; the cluster's membership lists them all."""
-    servers: list[grpc.aio.Server] = []
-    served: dict[str, Member] = {}
+async def members(cluster: Cluster, member_ids: list[str], member_class: type = Member) -> AsyncIterator[dict]:
+    """Serves one member_class(cluster, member_id) per id on its own 127.0.0.1 port (its address and server set); the cluster's membership lists them all."""
+    served = {}
     try:
         for member_id in member_ids:
             server = grpc.aio.server()
-            member = Member(cluster, member_id)
+            member = member_class(cluster, member_id)
             rv_grpc.add_RendezvousServiceServicer_to_server(member, server)
             member.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            member.server = server
             await server.start()
-            servers.append(server)
             served[member_id] = member
             cluster.membership[member_id] = member.address
         yield served
     finally:
-        for server in servers:
-            await server.stop(grace=None)
+        for member in served.values():
+            await member.server.stop(grace=None)

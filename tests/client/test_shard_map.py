@@ -13,7 +13,9 @@ from shard_members import Cluster, members
 from kvpush import errors, shards
 from kvpush.client import UNSHARDED, ClientConfig, ShardedBrokerClient, ShardMap
 from kvpush.client.backoff import Backoff
+from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from tests.sharding import eventually
 
 TRANSFERS = [f"xfer-{n}" for n in range(40)]
 WAIT_S = 5.0
@@ -25,13 +27,6 @@ def shard_map(target: str) -> ShardMap:
 
 def get(transfer_id: str) -> rv_pb.GetTransferRequest:
     return rv_pb.GetTransferRequest(transfer_id=transfer_id, attempt=1)
-
-
-async def eventually(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_broker_without_watch_shards_is_unsharded():
@@ -160,7 +155,7 @@ async def test_a_multi_address_seed_follows_the_map_through_the_member_that_answ
     cluster = Cluster()
     async with members(cluster, ["m0", "m1"]) as served:
         await cluster.publish(cluster.membership, revision=2)
-        seed = "ipv4:" + ",".join(member.address for member in served.values())
+        seed = multi_target([member.address for member in served.values()])
         followed = shard_map(seed)
         try:
             assert await followed.wait_ready(WAIT_S)

@@ -11,6 +11,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
@@ -19,8 +20,9 @@ from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.server import Service, build_server
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.registrar import servicer as registrar_servicer
-from kvpush.services.registrar.config import EtcdBacking, RegistrarConfig
+from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.replica import EtcdReplica
+from tests.grpc.rpc_harness import Inbox
 
 IDENTITIES = (ROUTER_IDENTITY, BROKER_IDENTITY, "prefill-0", "prefill-1", "decode-0", "decode-1")
 TOKENS = {identity: f"test-token-{identity}" for identity in IDENTITIES}  # every identity's own token
@@ -75,7 +77,7 @@ class Replica:
 @contextlib.asynccontextmanager
 async def running_replica(endpoints: list[str], prefix: bytes, config: RegistrarConfig = CONFIG):
     """A replica serving RegistrarService once its mirror synced; stopped on exit."""
-    replica = EtcdReplica(config, EtcdBacking(endpoints=tuple(endpoints), prefix=prefix.decode()), SystemClock())
+    replica = EtcdReplica(config, EtcdSettings(endpoints=tuple(endpoints), prefix=prefix.decode()), SystemClock())
     servicer = registrar_servicer.RegistrarServicer(replica.directory, replica.leases, Authenticator(mtls=False))
     running = await build_server(
         ServerConfig(listen="127.0.0.1:0"),
@@ -98,24 +100,18 @@ async def running_replica(endpoints: list[str], prefix: bytes, config: Registrar
         await replica.client.close()
 
 
-class Watch:
-    """A WatchEngines stream read in the background."""
+class Watch(Inbox):
+    """A WatchEngines stream read in the background (tests/grpc/rpc_harness' Inbox)."""
 
     def __init__(self, replica: Replica, identity: str = ROUTER_IDENTITY, **request):
-        self.call = replica.stub.WatchEngines(reg_pb.WatchEnginesRequest(**request), metadata=bearer(identity), timeout=60)
-        self._events: asyncio.Queue[reg_pb.WatchEnginesResponse] = asyncio.Queue()
-        self._reader = asyncio.create_task(self._read())
-
-    async def _read(self) -> None:
-        async for event in self.call:
-            self._events.put_nowait(event)
+        super().__init__(replica.stub.WatchEngines(reg_pb.WatchEnginesRequest(**request), metadata=bearer(identity), timeout=60))
 
     async def opened(self) -> Watch:
         await asyncio.wait_for(self.call.initial_metadata(), WAIT_S)
         return self
 
     async def next(self, timeout: float = WAIT_S) -> reg_pb.WatchEnginesResponse:
-        return await asyncio.wait_for(self._events.get(), timeout)
+        return await super().next(timeout)
 
     async def take(self, count: int, timeout: float = WAIT_S) -> list[tuple[int, str, str, int, str]]:
         """The next count events as (type, engine_id, incarnation, state, reason)."""
@@ -123,12 +119,7 @@ class Watch:
         return [(e.type, e.engine.engine_id, e.engine.incarnation, e.engine.state, e.reason) for e in events]
 
     def pending(self) -> int:
-        return self._events.qsize()
-
-    async def close(self) -> None:
-        self.call.cancel()
-        self._reader.cancel()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        return self._messages.qsize()
 
 
 async def until(condition, timeout: float = WAIT_S) -> None:

@@ -1,83 +1,33 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared by the sharded-broker process tests: `kvpush registrar` (in memory) and `kvpush broker --etcd` members as real processes.
+"""Shared by the sharded-broker process tests: `kvpush registrar` (in memory) and `kvpush broker --etcd` members as real processes (tests/kvpush_process.py).
 
-Every process leads its own process group and is stopped by it; calls carry
-the calling identity's token.
+Calls carry the calling identity's token.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import pathlib
-import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from kvpush.localstack.process import GroupProcess, wait_for_port_file
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.tokens import create_tokens
+from tests.kvpush_process import KvpushProcess
 
 IDENTITIES = ("router", "broker", "prefill-0", "decode-0")
-START_TIMEOUT_S = 20.0
 T = 5.0  # every unary call's deadline
 WAIT_S = 10.0  # the longest a test waits for anything else
 LEASE_TTL_S = 2
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-# The child processes read no kvpush or tracing settings from the test's environment.
-CLEAN_ENV = {name: None for name in os.environ if name.startswith(("KVPUSH_", "OTEL_"))}
-
-
-class Service:
-    """`python -m kvpush.cli COMMAND --listen 127.0.0.1:0 ...`, its port read from --port-file, and a channel to it."""
-
-    def __init__(self, workdir: pathlib.Path, name: str, command: str, *args: str):
-        self.name = name
-        self.args = (command, *args)
-        self.workdir = workdir
-        self.process: GroupProcess | None = None
-        self.port = 0
-        self.channel: grpc.aio.Channel | None = None
-
-    async def start(self) -> Service:
-        port_file = self.workdir / f"{self.name}.port"
-        port_file.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "kvpush.cli", *self.args, "--listen", "127.0.0.1:0", "--port-file", str(port_file)]
-        self.process = GroupProcess(self.name, argv, self.workdir / f"{self.name}.log", env=CLEAN_ENV)
-        self.port = await asyncio.to_thread(wait_for_port_file, self.process, port_file, START_TIMEOUT_S)
-        self.channel = grpc.aio.insecure_channel(self.address)
-        return self
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def close_channel(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-            self.channel = None
-
-    async def stop(self) -> None:
-        await self.close_channel()
-        if self.process is not None:
-            await asyncio.to_thread(self.process.stop)
-
-    async def kill(self) -> None:
-        """SIGKILL to its process group, as a crash would."""
-        await self.close_channel()
-        await asyncio.to_thread(self.process.kill)
-
-    async def health(self) -> int:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        return (await stub.Check(health_pb2.HealthCheckRequest(service=broker_servicer.SERVICE_NAME), timeout=T)).status
 
 
 class Deployment:
@@ -89,21 +39,24 @@ class Deployment:
         create_tokens(self.tokens_dir, IDENTITIES)
         self.etcd = ",".join(etcd_endpoints)
         self.prefix = prefix
-        self.registrar: Service | None = None
-        self.brokers: dict[str, Service] = {}
+        self.registrar: KvpushProcess | None = None
+        self.brokers: dict[str, KvpushProcess] = {}
+
+    def token(self, identity: str) -> str:
+        return (self.tokens_dir / identity).read_text().strip()
 
     def bearer(self, identity: str) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {(self.tokens_dir / identity).read_text().strip()}"),)
+        return (("authorization", f"Bearer {self.token(identity)}"),)
 
     async def start_registrar(self) -> None:
-        self.registrar = Service(self.workdir, "registrar", "registrar", "--tokens-dir", str(self.tokens_dir), "--lease-ttl", "60")
+        self.registrar = KvpushProcess(self.workdir, "registrar", "registrar", "--tokens-dir", str(self.tokens_dir), "--lease-ttl", "60")
         await self.registrar.start()
         stub = reg_grpc.RegistrarServiceStub(self.registrar.channel)
         for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
             await stub.RegisterEngineRank(sample.rank_request(engine_id, role), metadata=self.bearer(engine_id), timeout=T)
 
-    def broker_service(self, member_id: str) -> Service:
-        return Service(
+    def broker_service(self, member_id: str) -> KvpushProcess:
+        return KvpushProcess(
             self.workdir, member_id, "broker",
             "--tokens-dir", str(self.tokens_dir), "--registrar", self.registrar.address,
             "--etcd", self.etcd, "--etcd-prefix", self.prefix, "--member-id", member_id, "--shard-lease-ttl", str(LEASE_TTL_S),
@@ -140,10 +93,10 @@ async def deployment(workdir: pathlib.Path, etcd_endpoints: list[str], prefix: b
         await started.stop()
 
 
-async def until_health(service: Service, wanted: int, timeout: float = WAIT_S) -> float:
+async def until_health(service: KvpushProcess, wanted: int, timeout: float = WAIT_S) -> float:
     """Waits (bounded) until the member's RendezvousService health is wanted; returns how long that took."""
     start = time.monotonic()
-    while (status := await service.health()) != wanted:
+    while (status := await service.health(broker_servicer.SERVICE_NAME)) != wanted:
         assert time.monotonic() - start < timeout, f"{service.name} health {status} after {timeout}s:\n{service.process.tail()}"
         await asyncio.sleep(0.05)
     return time.monotonic() - start

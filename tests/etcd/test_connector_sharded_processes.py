@@ -11,67 +11,19 @@ blocks; new transfers then go to the member left.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import queue
-import time
 
 from sharded_brokers import WAIT_S, deployment
 
-from kvpush import shards
-from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.control import ControlSession
-from kvpush.connector.decode_waits import DecodeWaits
-from kvpush.connector.params import TransferParams
-from kvpush.connector.report_stream import Report
-from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock
-
-
-def owned_by(member_id: str, member_ids, skip: int = 0) -> str:
-    """The transfer id after the first `skip` that hash to member_id among member_ids."""
-    owned = (f"t{i}" for i in itertools.count() if shards.owner(f"t{i}", member_ids) == member_id)
-    return next(itertools.islice(owned, skip, None))
-
-
-async def eventually(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
+from tests.decode_session import decode_session
+from tests.sharding import eventually, owned_by
 
 
 async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and_keep_their_blocks(tmp_path, etcd_cluster, etcd_prefix):
     async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
         await plane.start_brokers("b1", "b2")
-        token = (plane.tokens_dir / "decode-0").read_text().strip()
-        config = ConnectorConfig(engine_id="decode-0", role="decode", control_plane=plane.brokers["b1"].address, token=token, rpc_timeout_s=2.0)
-        session = ControlSession(config, "test-sharded-processes")
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        session.on_member_left(lambda member, members: inbox.put(("member_left", member, members)))
-        clock = ManualClock()
-        waits = DecodeWaits(clock, hold_margin_s=2.0)
-        answers: dict[str, tuple] = {}
-
-        def register(transfer_id: str) -> None:
-            key = (transfer_id, 1)
-            waits.admit(f"d-{transfer_id}", TransferParams("decode", transfer_id, 1, "prefill-0", None, "", ""), "", 10.0, 0)
-            waits.registered(f"d-{transfer_id}")
-            reports.send(Report("registrations", sample.destination_request(transfer_id),
-                                lambda answer, error: answers.__setitem__(transfer_id, (answer, error)),
-                                on_route=lambda member: inbox.put(("routed", key, member))))
-
-        def drain() -> None:
-            while not inbox.empty():
-                kind, *args = inbox.get()
-                getattr(waits, kind)(*args)
-
-        try:
-            reports = session.report_stream("decode-0")
-            events = rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1")
-            session.follow_members("StreamTransferEvents", lambda broker: broker.stream_transfer_events(events),
-                                   lambda member: lambda message: inbox.put(("on_event", message.event)))
+        with decode_session(plane.brokers["b1"].address, plane.token("decode-0"), "test-sharded-processes") as decode:
+            session, waits, clock, answers, register, drain = decode.session, decode.waits, decode.clock, decode.answers, decode.register, decode.drain
             await eventually(lambda: session.members() == {"b1", "b2"})
             both = {"b1", "b2"}
             t1, t2 = owned_by("b1", both), owned_by("b2", both)
@@ -95,5 +47,3 @@ async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and
             clock.advance(12.0)
             fails, _ = waits.due()
             assert fails[f"d-{t2}"].startswith("END_REASON_BROKER_SHARD_LOST")
-        finally:
-            session.close()

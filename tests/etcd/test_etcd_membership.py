@@ -77,15 +77,8 @@ async def test_a_lost_lease_stops_serving_and_the_member_joins_again_by_itself(e
 async def test_a_member_cut_off_from_etcd_stops_serving_within_its_ttl_and_rejoins(etcd_cluster, etcd_prefix):
     async with member(etcd_cluster.endpoints, etcd_prefix, "a") as a:
         await until(a.serving)
-        paused = []
-        try:
-            for index in range(3):
-                etcd_cluster.pause(index)
-                paused.append(index)
+        with etcd_cluster.paused():
             assert await until(lambda: not a.serving(), timeout=TTL_S + 0.5) <= TTL_S + 0.1
-        finally:
-            for index in paused:
-                etcd_cluster.resume(index)
         await asyncio.to_thread(etcd_cluster.wait_healthy)
         await until(a.serving, timeout=15.0)
 

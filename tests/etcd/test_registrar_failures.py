@@ -4,22 +4,18 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import pathlib
-import signal
-import subprocess
-import sys
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from registrar_replicas import TOKENS, UPSERTED, WAIT_S, T, Watch, bearer, running_replica
 
+from kvpush.localstack.scaled import multi_target
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import write_private_file
+from tests.kvpush_process import KvpushProcess, wait_serving
 
 READY = reg_pb.ENGINE_STATE_READY
 
@@ -76,54 +72,6 @@ async def test_an_etcd_member_killed_under_registrations_and_renewals_fails_noth
             await asyncio.to_thread(etcd_cluster.restart, leader)
 
 
-class Service:
-    """`python -m kvpush.cli COMMAND ...` on 127.0.0.1 port 0, its port read from --port-file."""
-
-    def __init__(self, tmp_path: pathlib.Path, name: str, command: str, *args: str):
-        self.port_file = tmp_path / f"{name}.port"
-        self.log_path = tmp_path / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVPUSH_"))}
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "kvpush.cli", command, "--listen", "127.0.0.1:0", "--port-file", str(self.port_file), *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-            )
-
-    async def port(self) -> int:
-        deadline = time.monotonic() + 20
-        while not self.port_file.exists():
-            assert self.process.poll() is None, f"exited early:\n{self.log_path.read_text()}"
-            assert time.monotonic() < deadline, f"no port in time:\n{self.log_path.read_text()}"
-            await asyncio.sleep(0.05)
-        return int(self.port_file.read_text())
-
-    def kill(self) -> None:
-        """SIGKILL by PID: the process gets no chance to clean up."""
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-    def stop(self) -> int | None:
-        """SIGTERM by PID; the exit status (None if it had to be killed)."""
-        if self.process.poll() is not None:
-            return self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-
-async def _serving(channel: grpc.aio.Channel, service: str) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 20
-    while (await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)).status != health_pb2.HealthCheckResponse.SERVING:
-        assert time.monotonic() < deadline, f"{service} not SERVING in time"
-        await asyncio.sleep(0.05)
-
-
 async def _accepted(broker: rv_grpc.RendezvousServiceStub, transfer_id: str, decode_engine_id: str) -> None:
     """Sends RegisterDestination until the broker knows the engines (its mirror of the registrar may lag)."""
     request = sample.destination_request(transfer_id, decode_engine_id=decode_engine_id)
@@ -145,21 +93,20 @@ async def test_one_replica_killed_leaves_the_other_its_clients_and_the_broker_se
         write_private_file(tokens_dir / identity, token + "\n")
     shared = ("--tokens-dir", str(tokens_dir))
     etcd_args = ("--etcd", ",".join(etcd_cluster.endpoints), "--etcd-prefix", etcd_prefix.decode(), "--min-lease-ttl", "1")
-    a = Service(tmp_path, "registrar-a", "registrar", *shared, *etcd_args)
-    b = Service(tmp_path, "registrar-b", "registrar", *shared, *etcd_args)
+    a = KvpushProcess(tmp_path, "registrar-a", "registrar", *shared, *etcd_args)
+    b = KvpushProcess(tmp_path, "registrar-b", "registrar", *shared, *etcd_args)
     broker = None
     try:
-        port_a, port_b = await a.port(), await b.port()
+        await asyncio.gather(a.start(), b.start())
         # The broker follows whichever replica its multi-address target reaches (the first while it lives).
-        broker = Service(tmp_path, "broker", "broker", *shared, "--registrar", f"ipv4:127.0.0.1:{port_a},127.0.0.1:{port_b}")
-        broker_port = await broker.port()
+        broker = await KvpushProcess(tmp_path, "broker", "broker", *shared, "--registrar", multi_target([a.address, b.address])).start()
         async with (
-            grpc.aio.insecure_channel(f"127.0.0.1:{port_a}") as channel_a,
-            grpc.aio.insecure_channel(f"127.0.0.1:{port_b}") as channel_b,
-            grpc.aio.insecure_channel(f"127.0.0.1:{broker_port}") as broker_channel,
+            grpc.aio.insecure_channel(a.address) as channel_a,
+            grpc.aio.insecure_channel(b.address) as channel_b,
+            grpc.aio.insecure_channel(broker.address) as broker_channel,
         ):
             for channel in (channel_a, channel_b):
-                await _serving(channel, "kvpush.registrar.v1.RegistrarService")
+                await wait_serving(channel, "kvpush.registrar.v1.RegistrarService")
             stub_a, stub_b = reg_grpc.RegistrarServiceStub(channel_a), reg_grpc.RegistrarServiceStub(channel_b)
             prefill = await stub_a.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL, lease_ttl_s=2), metadata=bearer("prefill-0"), timeout=T)
             await stub_b.RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE), metadata=bearer("decode-0"), timeout=T)
@@ -167,12 +114,12 @@ async def test_one_replica_killed_leaves_the_other_its_clients_and_the_broker_se
             await keep_alive.write(reg_pb.KeepAliveRequest(lease_ids=[prefill.lease_id]))
             assert not (await asyncio.wait_for(keep_alive.read(), WAIT_S)).unknown_lease_ids
             watch = await Watch(_ReplicaStub(stub_b)).opened()
-            await _serving(broker_channel, "kvpush.rendezvous.v1.RendezvousService")
+            await wait_serving(broker_channel, "kvpush.rendezvous.v1.RendezvousService")
             rendezvous = rv_grpc.RendezvousServiceStub(broker_channel)
             await _accepted(rendezvous, "t0", "decode-0")
             try:
                 assert len([await watch.next() for _ in range(2)]) == 2  # the snapshot
-                a.kill()
+                await a.kill()
                 # The rank's KeepAlive reconnects to b and keeps its lease past its TTL.
                 keep_alive.cancel()
                 stop, unknown = asyncio.Event(), []
@@ -191,8 +138,8 @@ async def test_one_replica_killed_leaves_the_other_its_clients_and_the_broker_se
             finally:
                 await watch.close()
     finally:
-        statuses = [service.stop() for service in (broker, b) if service is not None]
-        a.stop()
+        statuses = [await service.stop() for service in (broker, b) if service is not None]
+        await a.stop()
     assert statuses == [0, 0]
 
 

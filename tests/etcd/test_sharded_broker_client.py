@@ -13,6 +13,7 @@ from sharded_brokers import LEASE_TTL_S, WAIT_S, T, deployment
 from kvpush import shards
 from kvpush.client import ClientConfig, ShardedBrokerClient, ShardMap
 from kvpush.client.backoff import Backoff
+from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
@@ -41,7 +42,7 @@ async def test_the_sharded_client_reaches_each_owner_and_follows_a_member_that_d
         await plane.start_brokers("b1", "b2", "b3")
         addresses = {member_id: service.address for member_id, service in plane.brokers.items()}
         # The seed is every member: the map stream goes on through another when one dies.
-        config = ClientConfig(target="ipv4:" + ",".join(addresses.values()), token=(plane.tokens_dir / "decode-0").read_text().strip(), default_timeout_s=T)
+        config = ClientConfig(target=multi_target(addresses.values()), token=plane.token("decode-0"), default_timeout_s=T)
         shard_map = ShardMap(config, backoff=Backoff(0.02, 0.2))
         changes: list[tuple[dict, dict]] = []
         shard_map.add_listener(lambda added, removed: changes.append((added, removed)))

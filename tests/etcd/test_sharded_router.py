@@ -16,6 +16,7 @@ from sharded_brokers import WAIT_S, deployment
 
 from kvpush import errors, shards
 from kvpush.client import ClientConfig, ShardedBrokerClient
+from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
@@ -79,10 +80,8 @@ async def test_an_attempt_whose_broker_member_died_is_retried_at_the_new_owner(t
     async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
         await plane.start_brokers("b1", "b2")
         addresses = {member_id: service.address for member_id, service in plane.brokers.items()}
-        seed = "ipv4:" + ",".join(addresses.values())
-
-        def token(identity: str) -> str:
-            return (plane.tokens_dir / identity).read_text().strip()
+        seed = multi_target(addresses.values())
+        token = plane.token
 
         registered, background = asyncio.Event(), set()
         decode_client = ShardedBrokerClient(ClientConfig(target=seed, token=token("decode-0")))

@@ -23,28 +23,17 @@ from kvpush import errors, shards, status
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2
+from tests.client import shard_members
 
 KINDS = ("registrations", "prefill_done", "write_results", "cancels")
 
 
-class Cluster:
-    """What the members share: the membership (member_id -> address) and the map WatchShards publishes."""
+class Cluster(shard_members.Cluster):
+    """tests/client/shard_members' Cluster, but unsharded is one shard with no address ("the address you called")."""
 
     def __init__(self) -> None:
-        self.membership: dict[str, str] = {}
-        self.published = rv_pb.WatchShardsResponse(shards=[rv_pb.BrokerShard()])  # unsharded: one shard, "the address you called"
-        self.changed = asyncio.Condition()
-        self.answer_watches = asyncio.Event()  # cleared: WatchShards answers nothing until it is set
-        self.answer_watches.set()
-
-    async def publish(self, members: dict[str, str], revision: int) -> None:
-        """Publishes a map on every WatchShards stream (open and future)."""
-        response = rv_pb.WatchShardsResponse(revision=revision)
-        for member_id in sorted(members):
-            response.shards.add(member_id=member_id, address=members[member_id])
-        async with self.changed:
-            self.published = response
-            self.changed.notify_all()
+        super().__init__()
+        self.published = rv_pb.WatchShardsResponse(shards=[rv_pb.BrokerShard()])
 
 
 class StreamMember(rv_grpc.RendezvousServiceServicer):
@@ -123,14 +112,8 @@ class StreamMember(rv_grpc.RendezvousServiceServicer):
     async def WatchShards(self, request, context):
         self.watches_open += 1
         try:
-            await self.cluster.answer_watches.wait()
-            sent = None
-            while True:
-                async with self.cluster.changed:
-                    while self.cluster.published is sent:
-                        await self.cluster.changed.wait()
-                    sent = self.cluster.published
-                yield sent
+            async for response in self.cluster.maps(context):
+                yield response
         finally:
             self.watches_open -= 1
 
@@ -138,20 +121,5 @@ class StreamMember(rv_grpc.RendezvousServiceServicer):
 @contextlib.asynccontextmanager
 async def stream_members(cluster: Cluster, member_ids: list[str]) -> AsyncIterator[dict[str, StreamMember]]:
     """Serves one StreamMember per id on its own 127.0.0.1 port; the cluster's membership lists them all."""
-    servers: dict[str, grpc.aio.Server] = {}
-    served: dict[str, StreamMember] = {}
-    try:
-        for member_id in member_ids:
-            server = grpc.aio.server()
-            member = StreamMember(cluster, member_id)
-            rv_grpc.add_RendezvousServiceServicer_to_server(member, server)
-            member.address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-            member.server = server
-            await server.start()
-            servers[member_id] = server
-            served[member_id] = member
-            cluster.membership[member_id] = member.address
+    async with shard_members.members(cluster, member_ids, StreamMember) as served:
         yield served
-    finally:
-        for server in servers.values():
-            await server.stop(grace=None)

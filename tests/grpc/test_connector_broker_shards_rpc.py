@@ -15,20 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import queue
-import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
-from rpc_harness import WAIT_S, identity_tokens, token_of
+from rpc_harness import identity_tokens, token_of
 
-from kvpush import shards
-from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.control import ControlSession
-from kvpush.connector.decode_waits import DecodeWaits
-from kvpush.connector.params import TransferParams
-from kvpush.connector.report_stream import Report
-from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker import servicer as broker_servicer
@@ -37,12 +28,14 @@ from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.auth import Authenticator
-from kvpush.services.common.clock import ManualClock, SystemClock
+from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import RunningServer, Service, build_server
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
+from tests.decode_session import decode_session
+from tests.sharding import eventually, owned
 
 FAST = BrokerConfig(stream_lease_s=0.5, write_timeout_s=0.2, fence_margin_s=0.1, max_clock_skew_s=0.05)
 
@@ -90,50 +83,10 @@ async def broker_members(member_ids: list[str]) -> AsyncIterator[dict[str, Membe
         await asyncio.gather(*(m.runner for m in members.values()), return_exceptions=True)
 
 
-async def eventually(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
-def owned(member: str, members, count: int) -> list[str]:
-    found, n = [], 0
-    while len(found) < count:
-        if shards.owner(f"t{n}", members) == member:
-            found.append(f"t{n}")
-        n += 1
-    return found
-
-
 async def test_registrations_reach_their_owners_and_a_dead_members_requests_fail_with_their_blocks_held():
     async with broker_members(["a", "b"]) as members:
-        config = ConnectorConfig(engine_id="decode-0", role="decode", control_plane=members["a"].address, token=token_of("decode-0"), rpc_timeout_s=2.0)
-        session = ControlSession(config, "test-broker-shards")
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        session.on_member_left(lambda member, now: inbox.put(("member_left", member, now)))
-        clock = ManualClock()
-        waits = DecodeWaits(clock, hold_margin_s=2.0)
-        answers: dict[str, tuple] = {}
-
-        def register(transfer_id: str) -> None:
-            key = (transfer_id, 1)
-            waits.admit(f"d-{transfer_id}", TransferParams("decode", transfer_id, 1, "prefill-0", None, "", ""), "", 10.0, 0)
-            waits.registered(f"d-{transfer_id}")
-            reports.send(Report("registrations", sample.destination_request(transfer_id),
-                                lambda answer, error: answers.__setitem__(transfer_id, (answer, error)),
-                                on_route=lambda member: inbox.put(("routed", key, member))))
-
-        def drain() -> None:
-            while not inbox.empty():
-                kind, *args = inbox.get()
-                getattr(waits, kind)(*args)
-
-        try:
-            reports = session.report_stream("decode-0")
-            session.follow_members("StreamTransferEvents",
-                                   lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1")),
-                                   lambda member: lambda message: inbox.put(("on_event", message.event)))
+        with decode_session(members["a"].address, token_of("decode-0"), "test-broker-shards") as decode:
+            session, waits, clock, answers, register, drain = decode.session, decode.waits, decode.clock, decode.answers, decode.register, decode.drain
             await eventually(lambda: session.members() == {"a", "b"})
             ab = {"a", "b"}
             (t_a,), (t_b, t_b2) = owned("a", ab, 1), owned("b", ab, 2)
@@ -162,5 +115,3 @@ async def test_registrations_reach_their_owners_and_a_dead_members_requests_fail
             clock.advance(12.0)
             fails, _ = waits.due()
             assert fails[f"d-{t_b}"].startswith("END_REASON_BROKER_SHARD_LOST")
-        finally:
-            session.close()

@@ -11,53 +11,39 @@ blocks stay held. An unsharded broker gets today's streams, at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
-import time
+from collections.abc import Iterator
 
 import pytest
-from rpc_harness import WAIT_S
 from stream_members import Cluster, StreamMember, stream_members
 
 from kvpush import errors, shards
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.consumer import Consumer
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.params import TransferParams
-from kvpush.connector.producer import Producer
 from kvpush.connector.report_stream import Report
-from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock, SystemClock
-from tests.unit.nixl_pair import IDLE, POLL, Pair
+from kvpush.services.common.clock import ManualClock
+from tests.sharding import eventually, owned
+from tests.unit.nixl_pair import transfer_threads
 
 ORDERS, EVENTS = "StreamWriteOrders", "StreamTransferEvents"
 
 
-def session_on(seed: str, engine_id: str = "decode-0", role: str = "decode") -> ControlSession:
-    """A session whose broker (seed) is apart from its registrar, as in the scaled-out form (the registrar is not called here)."""
+@contextlib.contextmanager
+def session_on(seed: str, engine_id: str = "decode-0", role: str = "decode") -> Iterator[ControlSession]:
+    """A session whose broker (seed) is apart from its registrar, as in the scaled-out form (the registrar is not called here); closed on the way out."""
     config = ConnectorConfig(engine_id=engine_id, role=role, control_plane="127.0.0.1:1", broker=seed, token="t", rpc_timeout_s=2.0)
-    return ControlSession(config, "test-shards")
-
-
-def owned(member: str, members, count: int, prefix: str = "t") -> list[str]:
-    """count transfer ids that member owns among members."""
-    found, n = [], 0
-    while len(found) < count:
-        if shards.owner(f"{prefix}{n}", members) == member:
-            found.append(f"{prefix}{n}")
-        n += 1
-    return found
-
-
-async def eventually(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+    session = ControlSession(config, "test-shards")
+    try:
+        yield session
+    finally:
+        session.close()
 
 
 class Answers:
@@ -83,8 +69,7 @@ async def test_each_report_goes_on_its_transfers_owners_stream():
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address)
-        try:
+        with session_on(members["a"].address) as session:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -97,8 +82,6 @@ async def test_each_report_goes_on_its_transfers_owners_stream():
             for member_id, member in members.items():
                 assert sorted(t for _, t in member.accepted) == sorted(t for t in transfers if shards.owner(t, cluster.membership) == member_id)
                 assert member.refused == []  # straight to the owner: no redirect
-        finally:
-            session.close()
 
 
 async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
@@ -106,8 +89,7 @@ async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address, "prefill-0", "prefill")
-        try:
+        with session_on(members["a"].address, "prefill-0", "prefill") as session:
             reports = session.report_stream("prefill-0")
             session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()),
                                    lambda member: lambda message: None)
@@ -119,8 +101,6 @@ async def test_a_write_result_goes_to_the_member_whose_order_it_answers():
             await eventually(lambda: len(answers.items) == 2)
             assert members["b"].accepted == [("write_results", t_a[0])]
             assert members["a"].accepted == [("write_results", t_a[1])]  # no stream to that member: the owner
-        finally:
-            session.close()
 
 
 async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_names():
@@ -129,8 +109,7 @@ async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_
     async with stream_members(cluster, ["a", "b", "c"]) as members:
         lagging = {m: members[m].address for m in ("a", "b")}
         await cluster.publish(lagging, revision=1)
-        session = session_on(members["a"].address)
-        try:
+        with session_on(members["a"].address) as session:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -150,8 +129,6 @@ async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_
             await eventually(lambda: len(answers.items) == 11)
             assert sorted(t for _, t in members["c"].accepted) == sorted(to_c + more)
             assert len(members["a"].refused + members["b"].refused) == len(to_c)  # now straight to c
-        finally:
-            session.close()
 
 
 async def test_reports_sent_before_the_sharded_map_arrives_go_through_the_seed_and_on_to_their_owners():
@@ -159,19 +136,18 @@ async def test_reports_sent_before_the_sharded_map_arrives_go_through_the_seed_a
     cluster.answer_watches.clear()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address)
-        try:
-            reports = session.report_stream("decode-0")
-            transfers = owned("a", cluster.membership, 4) + owned("b", cluster.membership, 4)
-            answers = Answers()
-            reports.send_many([registration(t, answers) for t in transfers])
-            await eventually(lambda: len(answers.items) == len(transfers))
-            assert all(error is None for _, error in answers.items.values())
-            assert sorted(t for _, t in members["b"].accepted) == sorted(transfers[4:])
-            assert sorted(t for _, t in members["a"].refused) == sorted(transfers[4:])
-        finally:
-            cluster.answer_watches.set()
-            session.close()
+        with session_on(members["a"].address) as session:
+            try:
+                reports = session.report_stream("decode-0")
+                transfers = owned("a", cluster.membership, 4) + owned("b", cluster.membership, 4)
+                answers = Answers()
+                reports.send_many([registration(t, answers) for t in transfers])
+                await eventually(lambda: len(answers.items) == len(transfers))
+                assert all(error is None for _, error in answers.items.values())
+                assert sorted(t for _, t in members["b"].accepted) == sorted(transfers[4:])
+                assert sorted(t for _, t in members["a"].refused) == sorted(transfers[4:])
+            finally:
+                cluster.answer_watches.set()
 
 
 async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
@@ -179,8 +155,7 @@ async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
     cluster.answer_watches.clear()  # the map never comes: nothing may wait for it
     async with stream_members(cluster, ["solo"]) as members:
         solo = members["solo"]
-        session = session_on(solo.address)
-        try:
+        with session_on(solo.address) as session:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -197,21 +172,13 @@ async def test_an_unsharded_broker_gets_todays_streams_at_once_and_no_more():
             await eventually(lambda: len(answers.items) == 6)
             assert routed == []  # no owner tracking when there is nothing to lose
             assert solo.refused == []
-        finally:
-            session.close()
 
 
 @pytest.fixture
 def producer_pair():
     """A prefill rank's Producer thread over real NIXL (tests/unit/nixl_pair), on the system clock."""
-    pair = Pair(clock=SystemClock())
-    producer = Producer(pair.producer, POLL, IDLE)
-    consumer = Consumer(pair.consumer, POLL, IDLE)
-    producer.on_engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))
-    yield pair, producer
-    producer.stop()
-    consumer.stop()
-    pair.close()
+    with transfer_threads() as (pair, producer, _):
+        yield pair, producer
 
 
 async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair):
@@ -219,14 +186,13 @@ async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair)
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address, "prefill-0", "prefill")
-        lost: list[str] = []
+        with session_on(members["a"].address, "prefill-0", "prefill") as session:
+            lost: list[str] = []
 
-        def on_lost(member: str) -> None:
-            producer.stream_lost(member)
-            lost.append(member)
+            def on_lost(member: str) -> None:
+                producer.stream_lost(member)
+                lost.append(member)
 
-        try:
             session.follow_members(ORDERS, lambda broker: broker.stream_write_orders(rv_pb.StreamWriteOrdersRequest()), producer.open_stream, on_lost)
             await sharded_map_applied(session, members, ORDERS)
             opened_at_a = members["a"].streams_opened[ORDERS]
@@ -243,8 +209,6 @@ async def test_a_lost_order_stream_stops_only_that_members_orders(producer_pair)
             assert [(r.key.transfer_id, r.outcome) for r in pair.reports] == [(t_a, tr_pb.WRITE_OUTCOME_WRITTEN)]
             assert producer.has_work()  # t_b's source waits for a new order from its owner, its closure or its hold deadline
             assert members["a"].streams_opened[ORDERS] == opened_at_a and members["a"].open_streams(ORDERS) == 1  # a's stream lived on
-        finally:
-            session.close()
 
 
 async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_their_blocks():
@@ -252,24 +216,23 @@ async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_the
     cluster = Cluster()
     async with stream_members(cluster, ["a", "b"]) as members:
         await cluster.publish(cluster.membership, revision=1)
-        session = session_on(members["a"].address)
-        inbox: queue.SimpleQueue = queue.SimpleQueue()
-        left: list[str] = []
+        with session_on(members["a"].address) as session:
+            inbox: queue.SimpleQueue = queue.SimpleQueue()
+            left: list[str] = []
 
-        def member_left(member: str, members_now: frozenset[str]) -> None:
-            inbox.put(("member_left", member, members_now))
-            left.append(member)
+            def member_left(member: str, members_now: frozenset[str]) -> None:
+                inbox.put(("member_left", member, members_now))
+                left.append(member)
 
-        session.on_member_left(member_left)
-        clock = ManualClock()
-        waits = DecodeWaits(clock, hold_margin_s=2.0)
+            session.on_member_left(member_left)
+            clock = ManualClock()
+            waits = DecodeWaits(clock, hold_margin_s=2.0)
 
-        def drain() -> None:
-            while not inbox.empty():
-                kind, *args = inbox.get()
-                waits.routed(*args) if kind == "routed" else waits.member_left(*args)
+            def drain() -> None:
+                while not inbox.empty():
+                    kind, *args = inbox.get()
+                    waits.routed(*args) if kind == "routed" else waits.member_left(*args)
 
-        try:
             reports = session.report_stream("decode-0")
             session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
                                    lambda member: lambda message: None)
@@ -304,6 +267,4 @@ async def test_a_member_leaving_the_map_fails_its_waiting_requests_and_keeps_the
             fails, cancels = waits.due()
             assert set(fails) == {f"d-{t_b}", f"d-{t_b2}", f"d-{t_a}"} and cancels == [(t_a, 1)]
             assert fails[f"d-{t_b}"].startswith("END_REASON_BROKER_SHARD_LOST")
-        finally:
-            session.close()
 

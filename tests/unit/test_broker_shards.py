@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 from broker_harness import (
     COMPLETED,
     ENDED,
@@ -20,11 +18,12 @@ from broker_harness import (
     expect,
 )
 
-from kvpush import errors, shards
+from kvpush import errors
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.membership import MapMembership, StaticMembership, shard_map
 from kvpush.services.common import sample_engines as sample
+from tests.sharding import owned_by
 
 ADDRESSES = {"a": "127.0.0.1:1001", "b": "127.0.0.1:1002", "c": "127.0.0.1:1003"}
 
@@ -48,11 +47,6 @@ class HandMembership(MapMembership):
     def regain_lease(self) -> None:
         self.held = True
         self.change(dict(self.members()))
-
-
-def owned_by(member: str, members, prefix: str = "t") -> str:
-    """A transfer id that hashes to member among members."""
-    return next(f"{prefix}{i}" for i in itertools.count() if shards.owner(f"{prefix}{i}", members) == member)
 
 
 def sharded(member: str = "a", members=("a", "b"), **kwargs) -> tuple[Harness, HandMembership]:
