@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pre", type=float, default=10.0, help="seconds of load before each fault")
     parser.add_argument("--post", type=float, default=10.0, help="seconds of load after the router serves again")
     parser.add_argument("--down", type=float, default=3.0, help="seconds a killed part stays dead before its restart")
-    parser.add_argument("--shard-lease-ttl", type=float, default=2.0, help="broker members' etcd lease TTL (seconds)")
+    parser.add_argument("--shard-lease-ttl", type=int, default=2, help="broker members' etcd lease TTL (seconds)")
     parser.add_argument("--run-dir", type=Path, help="where logs and result.json go (default runs/chaos-<timestamp>)")
     parser.add_argument("--model-dir", type=Path, help="the tiny model (built if missing)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH ('-' for stdout, after the report)")
