@@ -97,3 +97,43 @@ async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and
             assert fails[f"d-{t2}"].startswith("END_REASON_BROKER_SHARD_LOST")
         finally:
             session.close()
+
+
+async def test_a_member_restarted_on_its_address_takes_reports_at_once_when_it_rejoins(tmp_path, etcd_cluster, etcd_prefix, caplog):
+    """b2 is killed, leaves the map, and rejoins from a new process on the same address: the engine's new stream to it opens on the first try.
+
+    Connections to b2 kept failing meanwhile on the seed's channels (one
+    multi-address target of every member); the channel opened for the
+    rejoined member has connections of its own, so it neither inherits that
+    failure nor waits for their next reconnection attempt.
+    """
+    async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
+        await plane.start_brokers("b1", "b2")
+        seed = "ipv4:" + ",".join(plane.brokers[m].address for m in ("b1", "b2"))
+        token = (plane.tokens_dir / "decode-0").read_text().strip()
+        config = ConnectorConfig(engine_id="decode-0", role="decode", control_plane=plane.registrar.address, broker=seed, token=token, rpc_timeout_s=5.0)
+        session = ControlSession(config, "test-sharded-rejoin")
+        answers: dict[str, tuple] = {}
+
+        async def register(transfer_id: str) -> float:
+            """Sends one registration; how long its answer took."""
+            start = time.monotonic()
+            reports.send(Report("registrations", sample.destination_request(transfer_id), lambda answer, error: answers.__setitem__(transfer_id, (answer, error))))
+            await eventually(lambda: transfer_id in answers)
+            assert answers[transfer_id][1] is None
+            return time.monotonic() - start
+
+        try:
+            reports = session.report_stream("decode-0")
+            await eventually(lambda: session.members() == {"b1", "b2"})
+            both = {"b1", "b2"}
+            await register(owned_by("b2", both))
+            await plane.brokers["b2"].kill()
+            await eventually(lambda: session.members() == {"b1"}, timeout_s=WAIT_S)
+            await plane.brokers["b2"].restart()
+            await eventually(lambda: session.members() == both, timeout_s=WAIT_S)
+            caplog.clear()
+            assert await register(owned_by("b2", both, skip=1)) < 0.5
+            assert [r.getMessage() for r in caplog.records if r.name == "kvpush.connector.report_stream"] == []
+        finally:
+            session.close()
