@@ -142,8 +142,12 @@ class ControlSession:
         """The client of a member a NOT_SHARD_OWNER answer named (the map does not list it yet)."""
         client = self._redirected.get(member)
         if client is None or client.target != address:
-            client = self._redirected[member] = BrokerClient(dataclasses.replace(self._client_config, broker_target=address))
+            client = self._redirected[member] = self._member_client(address)
         return client
+
+    def _member_client(self, address: str) -> BrokerClient:
+        """A client of one member's address, on connections of its own (ClientConfig.own_connections says why)."""
+        return BrokerClient(dataclasses.replace(self._client_config, broker_target=address, own_connections=True))
 
     def _resync(self) -> None:
         """The shard map changed: one pass at a time brings the members' streams to the newest map."""
@@ -171,7 +175,7 @@ class ControlSession:
     def _add(self, member: str, address: str) -> None:
         client = self._redirected.pop(member, None)
         if client is None or client.target != address:
-            client = self.broker if address == self.broker.target else BrokerClient(dataclasses.replace(self._client_config, broker_target=address))
+            client = self.broker if address == self.broker.target else self._member_client(address)
         self._clients[member] = client
         logger.info("kvpush: broker member %r at %s joined", member, address)
         for router in self._routers:

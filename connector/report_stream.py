@@ -129,8 +129,14 @@ class ReportStream:
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), None if oldest is None else max(oldest - self._loop.time(), 0.0))
                     except TimeoutError:
-                        logger.warning("kvpush: EngineReports stream: no answer within %gs; reopening", self._timeout_s)
-                        break
+                        # Answers do not wake this loop (that would cost a
+                        # wake-up per batch): the batch this wait was timed
+                        # for may have been answered since, and the stream
+                        # is only stalled if its oldest unanswered item is due.
+                        if inflight and inflight[0][0].expires <= self._loop.time():
+                            logger.warning("kvpush: EngineReports stream: no answer within %gs; reopening", self._timeout_s)
+                            break
+                        continue
                     self._wakeup.clear()
                 if reader.done():
                     reader.result()  # the stream's error, if it failed

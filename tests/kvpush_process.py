@@ -35,11 +35,11 @@ class KvpushProcess:
         self.port = 0
         self.channel: grpc.aio.Channel | None = None
 
-    async def start(self) -> KvpushProcess:
-        """Starts it; returns once it wrote its port (bounded)."""
+    async def start(self, port: int = 0) -> KvpushProcess:
+        """Starts it on port (0: any free one); returns once it wrote its port (bounded)."""
         port_file = self.workdir / f"{self.name}.port"
         port_file.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", "kvpush.cli", *self.args, "--listen", "127.0.0.1:0", "--port-file", str(port_file)]
+        argv = [sys.executable, "-m", "kvpush.cli", *self.args, "--listen", f"127.0.0.1:{port}", "--port-file", str(port_file)]
         self.process = GroupProcess(self.name, argv, self.log_path, env=CLEAN_ENV)
         self.port = await asyncio.to_thread(wait_for_port_file, self.process, port_file, START_TIMEOUT_S)
         self.channel = grpc.aio.insecure_channel(self.address)
@@ -66,6 +66,10 @@ class KvpushProcess:
         """SIGKILL to its process group, as a crash would."""
         await self.close_channel()
         await asyncio.to_thread(self.process.kill)
+
+    async def restart(self) -> None:
+        """Starts it again on its address after kill(), as a restarted pod or supervisor would."""
+        await self.start(self.port)
 
     async def health(self, service: str) -> int:
         """service's health status as the process reports it."""

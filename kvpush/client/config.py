@@ -98,6 +98,15 @@ class ClientConfig:
     # default backoff (1 s growing to 120 s), which would keep an engine away
     # from a restarted member for seconds to minutes.
     max_reconnect_backoff_s: float = 1.0
+    # own_connections: the channel keeps its connections to itself instead
+    # of sharing them, through gRPC's process-wide subchannel pool, with
+    # other channels to the same address. A broker member's channel, opened
+    # when the member (re)joins, then connects at once: a shared connection
+    # to that address (the seed's, a multi-address target of every member)
+    # may still be failing since the member's last process died, and a call
+    # on the new channel would fail with that old error until the shared
+    # connection's next attempt, a second or more later.
+    own_connections: bool = False
     # KV layouts list a region per layer and plane and WatchEngines sends
     # every rank of an engine at once: more than gRPC's 4 MiB default.
     max_message_bytes: int = 64 * 1024 * 1024
@@ -132,6 +141,8 @@ class ClientConfig:
             ("grpc.min_reconnect_backoff_ms", int(RECONNECT_BACKOFF_FLOOR_S * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff_s * 1000)),
         ]
+        if self.own_connections:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         if retry_safe and self.retry.max_attempts > 1:

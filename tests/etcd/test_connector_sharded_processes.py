@@ -11,9 +11,11 @@ blocks; new transfers then go to the member left.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from sharded_brokers import WAIT_S, deployment
 
+from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from tests.decode_session import decode_session
 from tests.sharding import eventually, owned_by
@@ -47,3 +49,37 @@ async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and
             clock.advance(12.0)
             fails, _ = waits.due()
             assert fails[f"d-{t2}"].startswith("END_REASON_BROKER_SHARD_LOST")
+
+
+async def test_a_member_restarted_on_its_address_takes_reports_at_once_when_it_rejoins(tmp_path, etcd_cluster, etcd_prefix, caplog):
+    """b2 is killed, leaves the map, and rejoins from a new process on the same address: the engine's new stream to it opens on the first try.
+
+    Connections to b2 kept failing meanwhile on the seed's channels (one
+    multi-address target of every member); the channel opened for the
+    rejoined member has connections of its own, so it neither inherits that
+    failure nor waits for their next reconnection attempt.
+    """
+    async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
+        await plane.start_brokers("b1", "b2")
+        seed = multi_target([plane.brokers[m].address for m in ("b1", "b2")])
+        with decode_session(seed, plane.token("decode-0"), "test-sharded-rejoin") as decode:
+            session, answers = decode.session, decode.answers
+            both = {"b1", "b2"}
+
+            async def answered_in(transfer_id: str) -> float:
+                """Registers transfer_id; how long its answer took."""
+                start = time.monotonic()
+                decode.register(transfer_id)
+                await eventually(lambda: transfer_id in answers)
+                assert answers[transfer_id][1] is None
+                return time.monotonic() - start
+
+            await eventually(lambda: session.members() == both)
+            await answered_in(owned_by("b2", both))
+            await plane.brokers["b2"].kill()
+            await eventually(lambda: session.members() == {"b1"}, timeout_s=WAIT_S)
+            await plane.brokers["b2"].restart()
+            await eventually(lambda: session.members() == both, timeout_s=WAIT_S)
+            caplog.clear()
+            assert await answered_in(owned_by("b2", both, skip=1)) < 0.5
+            assert [r.getMessage() for r in caplog.records if r.name == "kvpush.connector.report_stream"] == []

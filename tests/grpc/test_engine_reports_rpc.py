@@ -139,6 +139,23 @@ async def test_the_connectors_report_stream_sends_batches_and_hands_each_answer_
             loop.stop()
 
 
+async def test_a_stream_whose_items_were_all_answered_stays_open_while_quiet(caplog):
+    """Quiet for longer than the timeout after its answers came, the stream is not taken for stalled: no reopening, no warning."""
+    async with plane_with_engines() as (port, _, _):
+        stream, loop, broker = report_stream(f"127.0.0.1:{port}", "decode-0", timeout_s=0.5)
+        try:
+            first, second = Answers(1), Answers(1)
+            stream.send(Report("registrations", sample.destination_request("t1"), first))
+            assert await asyncio.to_thread(first.done.wait, WAIT_S) and first.items[0][1] is None
+            await asyncio.sleep(1.5)  # three timeouts with nothing in flight
+            stream.send(Report("registrations", sample.destination_request("t2"), second))
+            assert await asyncio.to_thread(second.done.wait, WAIT_S) and second.items[0][1] is None
+            assert [r.getMessage() for r in caplog.records if r.name == "kvpush.connector.report_stream"] == []
+        finally:
+            loop.call(broker.close(0.1), timeout_s=2.0)
+            loop.stop()
+
+
 async def test_an_item_with_no_answer_within_the_timeout_is_answered_deadline_exceeded():
     """Nothing listens: the stream cannot open, and the item ends as a unary call's deadline would end it."""
     with socket.socket() as closed:
