@@ -16,7 +16,13 @@ throughput. Each phase also reports the CPU time the server and this load
 generator spent per rendezvous, which bounds capacity whatever else the
 machine runs. Prints a table beside the targets and one JSON line.
 
-    python bench/broker_capacity.py [--rates 1000,2000] [--duration 10] [--concurrency 64] [--transport unary|streams]
+With `--shards N` the control plane is the scaled-out form instead
+(kvpush.localstack.scaled: a 3-member etcd cluster, one registrar replica,
+N broker shards): each rendezvous goes to the shard that owns its transfer
+id (kvpush.shards), the prefill rank holds one order stream per shard, and
+the server CPU is the sum over the shards.
+
+    python bench/broker_capacity.py [--rates 1000,2000] [--duration 10] [--concurrency 64] [--transport unary|streams] [--shards N]
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvpush.client import BrokerClient, ClientConfig
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.errors import KvpushError
 from kvpush.localstack.control_plane import DEFAULT_ENGINE_IDS, start_control_plane
+from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec
 from kvpush.processes import cpu_seconds
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
@@ -50,6 +57,7 @@ from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.server import run_event_loop
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
+from kvpush.shards import owner
 
 TARGET_RATE = 2_000
 TARGET_P99_MS = 5.0
@@ -91,8 +99,8 @@ def core_only(count: int) -> dict:
 class StreamSender:
     """One engine's messages on its EngineReports stream through the connector's ReportStream; send() awaits the item's answer."""
 
-    def __init__(self, port: int, engine_id: str, token: str):
-        self.client = BrokerClient(ClientConfig(target=f"127.0.0.1:{port}", token=token, default_timeout_s=CALL_TIMEOUT_S))
+    def __init__(self, address: str, engine_id: str, token: str):
+        self.client = BrokerClient(ClientConfig(target=address, token=token, default_timeout_s=CALL_TIMEOUT_S))
         self.closed = False
         self.stream = ReportStream(self.client, engine_id, asyncio.get_running_loop(), CALL_TIMEOUT_S, lambda: self.closed)
         self.task = asyncio.create_task(self.stream.run())
@@ -116,12 +124,22 @@ class StreamSender:
         await self.client.close(0.1)
 
 
+class Shard:
+    """One broker member as the load generator sees it: its unary stub and, with --transport streams, each engine's stream to it."""
+
+    def __init__(self, member_id: str, address: str, channel: grpc.aio.Channel):
+        self.member_id = member_id
+        self.address = address
+        self.stub = rv_grpc.RendezvousServiceStub(channel)
+        self.senders: dict[str, StreamSender] = {}  # engine id -> its EngineReports stream to this member
+
+
 class Bench:
-    def __init__(self, channel: grpc.aio.Channel, tokens: dict[str, str], server_pid: int):
-        self.server_pid = server_pid
+    def __init__(self, registrar: grpc.aio.Channel, shards: list[Shard], tokens: dict[str, str], server_pids: list[int]):
+        self.server_pids = server_pids
         self._cpu_at_start = (0.0, 0.0)
-        self.registrar = reg_grpc.RegistrarServiceStub(channel)
-        self.broker = rv_grpc.RendezvousServiceStub(channel)
+        self.registrar = reg_grpc.RegistrarServiceStub(registrar)
+        self.shards = shards
         self.tokens = tokens  # engine id -> its token
         self.prefill_md: tuple = ()
         self.decode_md: tuple = ()
@@ -131,7 +149,14 @@ class Bench:
         self.delivered = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.sequence = 0
-        self.senders: dict[str, StreamSender] = {}  # engine id -> its EngineReports stream, with --transport streams
+        self.streams = False  # --transport streams
+
+    def owner(self, transfer_id: str) -> Shard:
+        """The shard that owns transfer_id (the only one, unsharded)."""
+        if len(self.shards) == 1:
+            return self.shards[0]
+        member = owner(transfer_id, [shard.member_id for shard in self.shards])
+        return next(shard for shard in self.shards if shard.member_id == member)
 
     async def register_engines(self) -> None:
         for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
@@ -154,9 +179,9 @@ class Bench:
                 raise RuntimeError(f"the lease of {engine_id} was lost")
             await asyncio.sleep(3.0)
 
-    async def consume_orders(self, ready: asyncio.Event) -> None:
+    async def consume_orders(self, shard: Shard, ready: asyncio.Event) -> None:
         request = rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1", early_orders=False)
-        call = self.broker.StreamWriteOrders(request, metadata=self.prefill_md, timeout=3600)
+        call = shard.stub.StreamWriteOrders(request, metadata=self.prefill_md, timeout=3600)
         await call.initial_metadata()
         ready.set()
         sent = self.sent_second
@@ -178,16 +203,18 @@ class Bench:
         return transfer_id, destination, prefill_done
 
     async def register_destination(self, request: rv_pb.RegisterDestinationRequest) -> None:
-        if self.senders:
-            await self.senders["decode-0"].send("registrations", request)
+        shard = self.owner(request.key.transfer_id)
+        if self.streams:
+            await shard.senders["decode-0"].send("registrations", request)
         else:
-            await self.broker.RegisterDestination(request, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
+            await shard.stub.RegisterDestination(request, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
 
     async def report_prefill_done(self, request: rv_pb.ReportPrefillDoneRequest) -> None:
-        if self.senders:
-            await self.senders["prefill-0"].send("prefill_done", request)
+        shard = self.owner(request.key.transfer_id)
+        if self.streams:
+            await shard.senders["prefill-0"].send("prefill_done", request)
         else:
-            await self.broker.ReportPrefillDone(request, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+            await shard.stub.ReportPrefillDone(request, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
 
     async def rendezvous(self) -> None:
         transfer_id, destination, prefill_done = self.requests()
@@ -209,10 +236,13 @@ class Bench:
             self.sent_second.pop(transfer_id, None)
 
     def reset(self) -> None:
-        self._cpu_at_start = (cpu_seconds(self.server_pid), cpu_seconds(os.getpid()))
+        self._cpu_at_start = (self.server_cpu(), cpu_seconds(os.getpid()))
         self.latencies = []
         self.delivered = 0
         self.errors = collections.Counter()
+
+    def server_cpu(self) -> float:
+        return sum(cpu_seconds(pid) for pid in self.server_pids)
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Waits until every sent rendezvous had its order delivered (bounded)."""
@@ -262,7 +292,7 @@ class Bench:
 
     def summary(self, name: str, elapsed: float, launched: int) -> dict:
         latencies = sorted(self.latencies)
-        server_cpu = cpu_seconds(self.server_pid) - self._cpu_at_start[0]
+        server_cpu = self.server_cpu() - self._cpu_at_start[0]
         client_cpu = cpu_seconds(os.getpid()) - self._cpu_at_start[1]
         per = 1e6 / max(1, self.delivered)
 
@@ -284,21 +314,26 @@ class Bench:
         }
 
 
-async def run(args: argparse.Namespace, port: int, tokens: dict[str, str], server_pid: int) -> list[dict]:
+async def run(args: argparse.Namespace, registrar: str, members: dict[str, str], tokens: dict[str, str], server_pids: list[int]) -> list[dict]:
+    """members: broker member id -> address ({"": address} unsharded)."""
     options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        bench = Bench(channel, tokens, server_pid)
+    channels = [grpc.aio.insecure_channel(address, options=options) for address in (registrar, *members.values())]
+    try:
+        shards = [Shard(member_id, address, channel) for (member_id, address), channel in zip(members.items(), channels[1:], strict=True)]
+        bench = Bench(channels[0], shards, tokens, server_pids)
         await bench.register_engines()
         if args.transport == "streams":
-            bench.senders = {engine_id: StreamSender(port, engine_id, tokens[engine_id]) for engine_id in ("prefill-0", "decode-0")}
-        ready = asyncio.Event()
+            bench.streams = True
+            for shard in shards:
+                shard.senders = {engine_id: StreamSender(shard.address, engine_id, tokens[engine_id]) for engine_id in ("prefill-0", "decode-0")}
+        readies = [asyncio.Event() for _ in shards]
         background = [
             asyncio.create_task(bench.keep_alive("prefill-0", bench.prefill_md)),
             asyncio.create_task(bench.keep_alive("decode-0", bench.decode_md)),
-            asyncio.create_task(bench.consume_orders(ready)),
+            *(asyncio.create_task(bench.consume_orders(shard, ready)) for shard, ready in zip(shards, readies, strict=True)),
         ]
         try:
-            await asyncio.wait_for(ready.wait(), START_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*(ready.wait() for ready in readies)), START_TIMEOUT_S)
             await bench.open_loop(500, min(2.0, args.duration))  # warm-up, not reported
             results = [await bench.open_loop(rate, args.duration) for rate in args.rates]
             results.append(await bench.closed_loop(args.concurrency, args.duration))
@@ -309,13 +344,17 @@ async def run(args: argparse.Namespace, port: int, tokens: dict[str, str], serve
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            for sender in bench.senders.values():
-                await sender.close()
+            for shard in shards:
+                for sender in shard.senders.values():
+                    await sender.close()
+    finally:
+        for channel in channels:
+            await channel.close()
     return results
 
 
 def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
-    print(f"transport: {args.transport}")
+    print(f"transport: {args.transport}; " + (f"{args.shards} broker shard(s) on etcd" if args.shards else "embedded control plane"))
     print(f"{'phase':<22}{'rendezvous/s':>14}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'server CPU us/rdv':>19}{'client CPU us/rdv':>19}")
     for r in results:
         print(
@@ -335,6 +374,7 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
             {
                 "benchmark": "broker_capacity",
                 "transport": args.transport,
+                "shards": args.shards,
                 "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(),
                 "core_alone": core,
@@ -360,17 +400,29 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="callers in the maximum-throughput phase")
     parser.add_argument("--transport", choices=("unary", "streams"), default="unary",
                         help="one unary call per message, or the engines' EngineReports streams (as the connector sends them)")
+    parser.add_argument("--shards", type=int, default=0, help="broker shards of a scaled-out control plane (0: the embedded control plane)")
     parser.add_argument("--keep-otel-env", action="store_true", help="pass OTEL_* variables on to the control plane")
     args = parser.parse_args()
     # OTEL_* of this shell would make the control plane trace (and export) what is being measured.
     env = {} if args.keep_otel_env else dict.fromkeys((name for name in os.environ if name.startswith("OTEL_")), None)
+    leases = ["--lease-ttl", "30", "--max-lease-ttl", "60"]
     with tempfile.TemporaryDirectory(prefix="kvpush-bench-") as workdir:
-        plane = start_control_plane(pathlib.Path(workdir), env=env, extra_args=["--lease-ttl", "30", "--max-lease-ttl", "60"])
-        try:
-            tokens = {identity: plane.token_file_of(identity).read_text().strip() for identity in DEFAULT_ENGINE_IDS}
-            results = run_event_loop(run(args, plane.port, tokens, plane.process.pid))
-        finally:
-            plane.stop()
+        if args.shards:
+            scaled = ScaledControlPlane(pathlib.Path(workdir), ScaledSpec(registrars=1, brokers=args.shards, registrar_args=leases), env=env).start()
+            try:
+                tokens = {identity: scaled.token_file_of(identity).read_text().strip() for identity in DEFAULT_ENGINE_IDS}
+                members = {part.name: part.address for part in scaled.brokers}
+                pids = [part.process.pid for part in scaled.brokers]
+                results = run_event_loop(run(args, scaled.registrars[0].address, members, tokens, pids))
+            finally:
+                scaled.stop()
+        else:
+            plane = start_control_plane(pathlib.Path(workdir), env=env, extra_args=leases)
+            try:
+                tokens = {identity: plane.token_file_of(identity).read_text().strip() for identity in DEFAULT_ENGINE_IDS}
+                results = run_event_loop(run(args, plane.address, {"": plane.address}, tokens, [plane.process.pid]))
+            finally:
+                plane.stop()
     report(core_only(20_000), results, args)
     return 0
 

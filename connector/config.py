@@ -43,6 +43,12 @@ class ConnectorConfig(Settings):
     # token is this engine's own token (its file in the control plane's
     # --tokens-dir), read from token_file or $KVPUSH_TOKEN; "" with mTLS.
     token: str
+    broker: str = setting(
+        "",
+        env="KVPUSH_BROKER",
+        help="gRPC target of the broker when it runs apart from the registrar (control_plane): host:port, or a sharded broker's "
+        "seed (any member, a headless Service, ipv4:h1:p1,h2:p2); \"\" = control_plane",
+    )
     token_file: str = setting("", env="KVPUSH_TOKEN_FILE", help="file holding this engine's token")
     tls_ca: str = setting("", help="CA bundle for mTLS")
     tls_cert: str = setting("", help="client certificate; its CN must equal engine_id")
@@ -90,6 +96,8 @@ class ConnectorConfig(Settings):
             raise ConfigError(f"kvpush: engine_id {engine_id!r} must be 1-128 characters of [A-Za-z0-9._:-]")
         if ":" not in values.get("control_plane", ""):
             raise ConfigError("kvpush: kv_connector_extra_config.control_plane (or $KVPUSH_CONTROL_PLANE) must be host:port")
+        if values.get("broker") and ":" not in values["broker"]:
+            raise ConfigError("kvpush: kv_connector_extra_config.broker (or $KVPUSH_BROKER) must be host:port or a gRPC target")
         token = os.environ.get("KVPUSH_TOKEN", "")
         token_file = values.get("token_file", "")
         if token_file:

@@ -12,6 +12,12 @@ them) only once no WRITE can land in them any more:
   for it lets a WRITE be posted only before that deadline, and the broker
   gives those orders a write timeout that fits in hold_margin.
 
+With a sharded broker each request's transfer has an owner member (the one
+its registration went to). When that member leaves the shard map, its
+waiting requests fail (END_REASON_BROKER_SHARD_LOST) but keep their blocks
+until their deadline plus hold_margin: the lost member's orders may still
+be acted on, and no other member can vouch for them.
+
 Failing a request (the client's answer) and reusing its blocks are the same
 step for vLLM, so a request that has failed but whose blocks are not safe
 yet keeps waiting; a router answers its client from the broker meanwhile.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from kvpush import shards
 from kvpush.connector.params import TransferParams
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common.clock import Clock
@@ -46,6 +53,8 @@ class DecodeWait:
     failure: str = ""  # why it will not receive its KV, once known
     safe: bool = False  # no WRITE can land in its blocks any more
     cancel_sent: bool = False
+    member: str | None = None  # the broker member its registration went to (sharded brokers only)
+    member_lost: bool = False  # that member left: only the hold rule frees its blocks now
 
 
 class DecodeWaits:
@@ -82,11 +91,34 @@ class DecodeWaits:
         if wait is not None:
             wait.registered = True
 
+    def routed(self, key: Key, member: str) -> None:
+        """The request's registration went to this broker member (its transfer's owner, or the owner a refusal named)."""
+        wait = self._by_key_wait(key)
+        if wait is not None and not wait.member_lost:
+            wait.member = member
+
+    def member_left(self, member: str, members: frozenset[str] = frozenset()) -> None:
+        """A broker member left the shard map (members: those left): each request waiting on it fails, its blocks held until the hold rule frees them.
+
+        No cancellation goes out: the transfer's new owner never ordered a
+        WRITE for it, so its word cannot fence the lost member's orders. A
+        request registered before the sharded map arrived (through the seed,
+        which answered only as its owner) was the member's if it hashed to it.
+        """
+        for wait in self._waits.values():
+            if wait.member is None and wait.registered and wait.key is not None:
+                wait.member = shards.owner(wait.key[0], members | {member})
+            if wait.member == member and not wait.member_lost:
+                wait.member_lost = True
+                wait.cancel_sent = True
+                wait.failure = wait.failure or (f"{transfer_pb2.EndReason.Name(transfer_pb2.END_REASON_BROKER_SHARD_LOST)}: "
+                                                f"broker member {member} left the shard map")
+
     def registration_refused(self, key: Key, message: str, fenced: bool) -> None:
         wait = self._by_key_wait(key)
         if wait is not None:
             wait.failure = wait.failure or f"registration refused: {message}"
-            wait.safe = wait.safe or fenced
+            wait.safe = wait.safe or (fenced and not wait.member_lost)
 
     def registration_answered(self, key: Key, state: int, fenced: bool) -> None:
         """A registration answer: an ended attempt (a repeat) fails the request, at once if fenced."""
@@ -94,7 +126,7 @@ class DecodeWaits:
         if wait is None or state not in (transfer_pb2.TRANSFER_STATE_FAILED, transfer_pb2.TRANSFER_STATE_CANCELLED, transfer_pb2.TRANSFER_STATE_SUPERSEDED):
             return
         wait.failure = wait.failure or f"the attempt already ended ({transfer_pb2.TransferState.Name(state)})"
-        wait.safe = wait.safe or fenced
+        wait.safe = wait.safe or (fenced and not wait.member_lost)
 
     def on_event(self, event: transfer_pb2.TransferEvent) -> None:
         wait = self._by_key_wait((event.key.transfer_id, event.key.attempt))
@@ -102,7 +134,7 @@ class DecodeWaits:
             return  # completion is the workers' to see (every notification counted)
         if event.type in (transfer_pb2.TRANSFER_EVENT_TYPE_FAILED, transfer_pb2.TRANSFER_EVENT_TYPE_ENDED):
             wait.failure = wait.failure or f"{transfer_pb2.EndReason.Name(event.reason)}: {event.detail}"
-            wait.safe = wait.safe or event.type == transfer_pb2.TRANSFER_EVENT_TYPE_ENDED
+            wait.safe = wait.safe or (event.type == transfer_pb2.TRANSFER_EVENT_TYPE_ENDED and not wait.member_lost)
 
     def received(self, req_id: str) -> DecodeWait | None:
         """The workers counted every notification: the KV is in place."""

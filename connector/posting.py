@@ -3,7 +3,7 @@
 
 Self-fencing (docs/design.md, "Fencing"): a rank posts a WRITE for an order
 only while (1) the order's budget, measured from the broker's send time,
-has not run out; (2) the order's stream is still the current one and its
+has not run out; (2) the order's stream is still its broker member's current one and its
 stream lease (renewed by every message, heartbeats included) holds; (3) no
 WRITE for that (transfer_id, attempt) was posted before; (4) its source
 holds every token the destination needs. The checks run again right before
@@ -12,7 +12,7 @@ layer-progressive WRITE passes (1) and (2) again, or the job stops and ends
 FAILED once its parts in flight are done.
 
 Posting is a part of ProducerCore (producer.py), which keeps the records
-(_sources, _orders, _computing, _jobs, _peers, the stream) and answers the
+(_sources, _orders, _computing, _jobs, _peers, the streams) and answers the
 broker (_answer, _finish); split out so the fencing reads on its own.
 """
 
@@ -73,7 +73,7 @@ class Posting:
     def _may_post(self, order: Order) -> bool:
         """The self-fencing checks, run right before a post."""
         now = self.clock.now()
-        if order.stream != self._stream or now >= self._stream_valid_until:
+        if now >= self._streams.get(order.stream, float("-inf")):
             return False  # its stream is gone or quiet: the broker resends it on the next one if still wanted
         if now >= order.post_by:
             key = (order.order.key.transfer_id, order.order.key.attempt)
@@ -85,7 +85,7 @@ class Posting:
     def _may_post_more(self, order: Order) -> bool:
         """The self-fencing checks before a later part: as _may_post, but this rank has posted already, so it answers FAILED later."""
         now = self.clock.now()
-        return order.stream == self._stream and now < self._stream_valid_until and now < order.post_by
+        return now < self._streams.get(order.stream, float("-inf")) and now < order.post_by
 
     def _progressive_layers(self, key: Key, job: Job | None) -> frozenset[int]:
         """Computed layers not yet posted, less the last layer: it goes with the source, in the part that ends the transfer."""

@@ -90,8 +90,14 @@ class ProducerCore(Posting):
         self._peers: dict[str, Peer] = {}
         self._retiring: list[PeerRank] = []  # peer ranks to unload once no WRITE to them is in flight
         self._local_prepared = None  # this rank's page table, prepared once a peer can use it
-        self._stream = 0  # current order stream generation (0: none)
-        self._stream_valid_until = float("-inf")
+        # Live order streams, one per broker member (a sharded broker has several):
+        # generation -> the end of its stream lease (monotonic), renewed by each of its messages.
+        self._streams: dict[int, float] = {}
+        self._member_streams: dict[str, int] = {}  # broker member -> its current stream generation
+        self._stream_members: dict[int, str] = {}  # and back
+        # Whose order (or revocation) each key's answer answers: the member that sent it holds the attempt,
+        # and takes the answer even once the transfer moved to another member.
+        self._answer_to: OrderedDict[Key, str] = OrderedDict()
 
     # ---- inputs (from the transfer thread's inbox) ----------------------------------
 
@@ -106,7 +112,7 @@ class ProducerCore(Posting):
         elif kind == "stream":
             self.stream_message(item[1], item[2])
         elif kind == "stream_opened":
-            self.stream_opened(item[1])
+            self.stream_opened(*item[1:])
         elif kind == "stream_lost":
             self.stream_lost(item[1])
         elif kind == "engine":
@@ -162,28 +168,44 @@ class ProducerCore(Posting):
             elif job.more_parts:
                 self._post_parts(key, job, final=False)
 
-    def stream_opened(self, stream: int) -> None:
-        """A new order stream replaces the old one: orders from the old one are void (the new one resyncs them)."""
-        self._stream = stream
-        self._stream_valid_until = float("-inf")
-        self._drop_unposted()
+    def stream_opened(self, stream: int, member: str = "") -> None:
+        """A new order stream from a broker member replaces that member's old one: orders from the old one are void (the new one resyncs them).
+
+        Streams of other members are untouched: each member orders only the
+        transfers it owns, so losing one member's stream stops only its orders.
+        """
+        old = self._member_streams.get(member)
+        if old is not None:
+            self.stream_lost(old)
+        self._member_streams[member] = stream
+        self._stream_members[stream] = member
+        self._streams[stream] = float("-inf")
 
     def stream_lost(self, stream: int) -> None:
-        if stream == self._stream:
-            self._stream = 0
-            self._drop_unposted()
+        if self._streams.pop(stream, None) is not None:
+            member = self._stream_members.pop(stream)
+            if self._member_streams.get(member) == stream:
+                del self._member_streams[member]
+            self._drop_unposted(stream)
+
+    def answer_member(self, key: Key) -> str | None:
+        """The broker member whose order or revocation for key came last: the one its answer goes to."""
+        return self._answer_to.get(key)
 
     def stream_message(self, stream: int, message: rv_pb.StreamWriteOrdersResponse) -> None:
-        if stream != self._stream:
-            return  # a replaced stream's late message
+        if stream not in self._streams:
+            return  # a replaced or lost stream's late message
         now = self.clock.now()
         sent_ns = message.send_time.ToNanoseconds()
         # Time since the broker stamped it, by this host's wall clock; the
         # broker took the skew allowance off the budget and lease it sent.
         age = self.clock.wall() - sent_ns / 1e9
         lease_end = now + message.stream_lease.ToTimedelta().total_seconds() - age
-        self._stream_valid_until = max(self._stream_valid_until, lease_end)
+        self._streams[stream] = max(self._streams[stream], lease_end)
         kind = message.WhichOneof("message")
+        if kind in ("order", "revocation"):
+            body = getattr(message, kind)
+            self._remember(self._answer_to, (body.key.transfer_id, body.key.attempt), self._stream_members[stream])
         if kind == "order":
             self._on_order(message.order, stream, now + message.order.write_budget.ToTimedelta().total_seconds() - age, sent_ns)
         elif kind == "revocation":
@@ -272,8 +294,9 @@ class ProducerCore(Posting):
         """Aborts overdue WRITEs (before any progress call), expires orders and sources, polls WRITEs."""
         now = self.clock.now()
         self._abort_overdue(now)
-        if now >= self._stream_valid_until:
-            self._drop_unposted()
+        for stream, valid_until in self._streams.items():
+            if now >= valid_until:
+                self._drop_unposted(stream)
         for key, order in list(self._orders.items()):
             if now >= order.post_by:
                 del self._orders[key]  # its budget ran out; the broker revokes it and gets REVOKED then
@@ -299,8 +322,7 @@ class ProducerCore(Posting):
             self.transport.notifications()  # progresses connection setup with decode agents
         due = [s.hold_until for k, s in self._sources.items() if k not in self._jobs]
         due += [o.post_by for o in self._orders.values()] + [j.abort_at for j in self._jobs.values()]
-        if self._orders:
-            due.append(self._stream_valid_until)
+        due += [self._streams[s] for s in {o.stream for o in self._orders.values()} if s in self._streams]
         return min(due) if due else None
 
     def _abort_overdue(self, now: float) -> None:
@@ -310,9 +332,10 @@ class ProducerCore(Posting):
                 timeout = job.order.order.write_timeout.ToTimedelta().total_seconds()
                 self._finish(key, job, f"the WRITE was still in flight {timeout:g}s after its post; aborted")
 
-    def _drop_unposted(self) -> None:
-        """Orders not yet posted are void once their stream is gone or quiet: the broker resends what is still wanted."""
-        self._orders.clear()
+    def _drop_unposted(self, stream: int) -> None:
+        """A stream's orders not yet posted are void once it is gone or quiet: the broker resends what is still wanted."""
+        for key in [k for k, o in self._orders.items() if o.stream == stream]:
+            del self._orders[key]
 
     # ---- answers ---------------------------------------------------------------------
 
@@ -368,6 +391,7 @@ class Producer:
         core.on_release = self.ready.set
         self._thread = TransferThread(f"kvpush-producer-{core.local.tp_rank}", core, poll_interval_s, idle_poll_s)
         self._streams = 0
+        self._member_streams: dict[str, int] = {}  # broker member -> its current stream (control loop only)
 
     def source_ready(self, ready: SourceReady, ready_event=None) -> None:
         """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
@@ -381,15 +405,17 @@ class Producer:
         """Layer-progressive push: `layer` of these sources is computed (event: recorded after it, on GPU)."""
         self._thread.put(("layer", keys, layer, event))
 
-    def open_stream(self) -> Callable[[rv_pb.StreamWriteOrdersResponse], None]:
-        """A new order stream: returns the callback for its messages (messages of older streams are ignored)."""
+    def open_stream(self, member: str = "") -> Callable[[rv_pb.StreamWriteOrdersResponse], None]:
+        """A new order stream from a broker member: returns the callback for its messages (messages of the member's older streams are ignored)."""
         self._streams += 1
-        stream = self._streams
-        self._thread.put(("stream_opened", stream))
+        stream = self._member_streams[member] = self._streams
+        self._thread.put(("stream_opened", stream, member))
         return lambda message: self._thread.put(("stream", stream, message))
 
-    def stream_lost(self) -> None:
-        self._thread.put(("stream_lost", self._streams))
+    def stream_lost(self, member: str = "") -> None:
+        stream = self._member_streams.pop(member, None)
+        if stream is not None:
+            self._thread.put(("stream_lost", stream))
 
     def on_engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
         self._thread.put(("engine", event))

@@ -14,6 +14,11 @@ every item on its attempt, so a repeat is idempotent, as a retried unary
 call is. An item with no answer within the RPC timeout (the stream stalled,
 or the broker stayed unreachable) is answered with DeadlineExceeded, as a
 unary call's deadline would: whether the broker applied it is unknown.
+
+With a sharded broker an engine keeps one such stream per broker member
+(ReportRouter, report_routing.py, sends each item to its transfer's owner);
+an item a member refuses as not its own (NOT_SHARD_OWNER) goes back to the
+router through `redirect` instead of to its sender.
 """
 
 from __future__ import annotations
@@ -51,14 +56,21 @@ class Report:
     prepare: Callable[[], None] | None = None  # runs on the control loop right before the item is first sent
     sent_ns: int = 0  # wall clock, when first sent
     expires: float = 0.0  # control-loop time after which it is answered DeadlineExceeded
+    on_route: Callable[[str], None] | None = None  # sharded broker: called on the control loop with each member it is queued for
+    to: str | None = None  # the member it must go to while that member has a stream (None: its transfer's owner)
+    member: str = ""  # the broker member whose stream it is queued on
+    sent: bool = False  # it left on that member's stream (the member may have applied it)
+    redirects: int = 0  # NOT_SHARD_OWNER answers it followed
 
 
 class ReportStream:
     """Batches an engine's reports onto its EngineReports stream; lives on a ControlSession's loop."""
 
     def __init__(self, broker: BrokerClient, engine_id: str, loop: asyncio.AbstractEventLoop, timeout_s: float,
-                 closed: Callable[[], bool]):
+                 closed: Callable[[], bool], *, redirect: Callable[[Report, errors.KvpushError], bool] | None = None):
+        """redirect(report, error), on a NOT_SHARD_OWNER answer, returns True when it took the item over (its sender hears nothing yet)."""
         self._broker = broker
+        self._redirect = redirect
         self._engine_id = engine_id
         self._loop = loop
         self._timeout_s = timeout_s
@@ -82,6 +94,23 @@ class ReportStream:
         self._queue.extend(reports)
         self._wakeup.set()
 
+    def put(self, reports: list[Report]) -> None:
+        """Queues items whose expiry is already set (control loop only).
+
+        Items moved from another member's stream keep their own, earlier,
+        expiry: the queue is kept in expiry order, so each is answered at it.
+        """
+        late = bool(self._queue) and min(r.expires for r in reports) < self._queue[-1].expires
+        self._queue.extend(reports)
+        if late:
+            self._queue = deque(sorted(self._queue, key=lambda r: r.expires))
+        self._wakeup.set()
+
+    def take_pending(self) -> list[Report]:
+        """Takes every item not answered yet, once run() has ended (control loop only)."""
+        pending, self._queue = list(self._queue), deque()
+        return pending
+
     async def run(self) -> None:
         """Keeps the stream open, sending what is queued and dispatching answers, until the session closes."""
         backoff = Backoff()
@@ -100,8 +129,14 @@ class ReportStream:
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), None if oldest is None else max(oldest - self._loop.time(), 0.0))
                     except TimeoutError:
-                        logger.warning("kvpush: EngineReports stream: no answer within %gs; reopening", self._timeout_s)
-                        break
+                        # Answers do not wake this loop (that would cost a
+                        # wake-up per batch): the batch this wait was timed
+                        # for may have been answered since, and the stream
+                        # is only stalled if its oldest unanswered item is due.
+                        if inflight and inflight[0][0].expires <= self._loop.time():
+                            logger.warning("kvpush: EngineReports stream: no answer within %gs; reopening", self._timeout_s)
+                            break
+                        continue
                     self._wakeup.clear()
                 if reader.done():
                     reader.result()  # the stream's error, if it failed
@@ -128,6 +163,7 @@ class ReportStream:
                 report.prepare()
                 report.prepare = None
             report.sent_ns = report.sent_ns or now_ns
+            report.sent = True
             getattr(request, report.kind).append(report.message)
         inflight.append(batch)
         await call.write(request)
@@ -145,9 +181,12 @@ class ReportStream:
                         raise errors.Internal(f"the broker answered {len(answers)} {kind} of {len(items)}", reason=errors.Reason.INTERNAL)
                     for report, answer in zip(items, answers):
                         if answer.WhichOneof("result") == "error":
-                            _answer(report, None, status.from_item_error(answer.error))
+                            error = status.from_item_error(answer.error)
+                            if error.reason == errors.Reason.NOT_SHARD_OWNER and self._redirect is not None and self._redirect(report, error):
+                                continue
+                            deliver(report, None, error)
                         else:
-                            _answer(report, answer, None)
+                            deliver(report, answer, None)
         finally:
             self._wakeup.set()
 
@@ -155,11 +194,12 @@ class ReportStream:
         now = self._loop.time()
         while queue and queue[0].expires <= now:
             report = queue.popleft()
-            _answer(report, None, errors.DeadlineExceeded(f"no answer from the broker within {self._timeout_s:g}s",
+            deliver(report, None, errors.DeadlineExceeded(f"no answer from the broker within {self._timeout_s:g}s",
                                                           reason=errors.Reason.UNAVAILABLE))
 
 
-def _answer(report: Report, answer: Any, error: errors.KvpushError | None) -> None:
+def deliver(report: Report, answer: Any, error: errors.KvpushError | None) -> None:
+    """Hands an item its answer or error (on the control loop)."""
     if report.on_answer is None:
         if error is not None:
             logger.warning("kvpush: %s %s/%s failed: %s", report.kind, report.message.key.transfer_id, report.message.key.attempt, error)

@@ -5,7 +5,10 @@ Decode engine: the moment vLLM allocates blocks for a request that expects
 remote KV, the destination is registered with the broker (on the control
 loop: the scheduler never waits on the network). DecodeWaits decides when
 a request that will not get its KV may give its blocks back (only once no
-WRITE can land in them), and the workers report it failed then.
+WRITE can land in them), and the workers report it failed then. With a
+sharded broker it remembers which member each registration went to; when
+that member leaves the shard map the request fails (BROKER_SHARD_LOST) and
+its blocks wait for the hold rule.
 
 Prefill engine: the step in which a request's prefill completes is marked in
 that step's metadata, so each worker hands the blocks to its transfer thread
@@ -30,7 +33,8 @@ from kvpush.connector.decode_waits import DecodeWait, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.params import ParamError, TransferParams, parse
-from kvpush.connector.report_stream import Report, ReportStream
+from kvpush.connector.report_routing import ReportRouter
+from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.common.clock import SystemClock, timestamp
@@ -87,18 +91,22 @@ class DecodeScheduler(_Scheduler):
         # What the control loop heard, applied on the engine thread: (kind, args).
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._decoding: dict[str, tuple[DecodeWait, int]] = {}  # received, before its first decode step: (wait, received_ns)
-        self.reports: ReportStream | None = None
+        self.reports: ReportRouter | None = None
         self._outgoing: list[Report] = []  # registrations and cancellations of this step, sent at its end
 
     def on_handshake(self, handshakes: dict[tuple[int, int], KvpushHandshake]) -> None:
         """Workers registered their ranks; the decode scheduler opens its own control session."""
         super().on_handshake(handshakes)
         self.session = ControlSession(self.config, "kvpush-control-scheduler")
+        inbox = self._inbox
+        self.session.on_member_left(lambda member, members: inbox.put(("member_left", member, members)))
         self.reports = self.session.report_stream(self.config.engine_id)
         request = rv_pb.StreamTransferEventsRequest(engine_id=self.config.engine_id, incarnation=self.incarnation)
-        broker = self.session.broker
-        self.session.follow("StreamTransferEvents", lambda: broker.stream_transfer_events(request),
-                            lambda message: self._inbox.put(("event", message.event)))
+
+        def on_event(message: rv_pb.StreamTransferEventsResponse) -> None:
+            inbox.put(("event", message.event))
+
+        self.session.follow_members("StreamTransferEvents", lambda broker: broker.stream_transfer_events(request), lambda member: on_event)
 
     # ---- vLLM hooks ---------------------------------------------------------------------
 
@@ -186,7 +194,7 @@ class DecodeScheduler(_Scheduler):
             else:
                 inbox.put(("refused", key, str(error), error.metadata.get("fenced") == "true"))
 
-        report = Report("registrations", registration, answered, prepare)
+        report = Report("registrations", registration, answered, prepare, on_route=lambda member: inbox.put(("routed", key, member)))
         self._outgoing.append(report)
 
     def _cancel(self, key: tuple[str, int], detail: str) -> None:
@@ -221,6 +229,10 @@ class DecodeScheduler(_Scheduler):
                 return
             if kind == "event":
                 self.waits.on_event(args[0])
+            elif kind == "routed":
+                self.waits.routed(*args)
+            elif kind == "member_left":
+                self.waits.member_left(*args)
             elif kind == "answered":
                 self.waits.registration_answered(*args)
             else:

@@ -25,7 +25,8 @@ from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
 from kvpush.connector.producer import Producer, ProducerCore
-from kvpush.connector.report_stream import Report, ReportStream
+from kvpush.connector.report_routing import ReportRouter
+from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout
 from kvpush.engine.v1 import engine_pb2
@@ -79,7 +80,7 @@ class KvpushWorker:
         self.spans = Spans(config.engine_id, config.role)
         self.agent: KvAgent | None = None
         self.session: ControlSession | None = None
-        self.reports: ReportStream | None = None
+        self.reports: ReportRouter | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self.memory_is_device = False
@@ -117,13 +118,11 @@ class KvpushWorker:
         lease = self.session.register_rank(request)
         self.session.keep_alive(request, lease)
         poll_s, idle_s = self.config.poll_interval_ms / 1000, self.config.idle_poll_ms / 1000
-        broker = self.session.broker
         clock = SystemClock()
         if self.config.role == "prefill":
             self.reports = self.session.report_stream(self.config.engine_id)
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
-            core = ProducerCore(self.agent, local, self.config.engine_id,
-                                lambda r: self.reports.send(Report("write_results", r)), self.spans, clock,
+            core = ProducerCore(self.agent, local, self.config.engine_id, self._report_write_result, self.spans, clock,
                                 prefill_done=self._report_prefill_done if self.tp_rank == 0 else None)
             self.producer = Producer(core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
@@ -132,9 +131,9 @@ class KvpushWorker:
                 engine_id=self.config.engine_id, incarnation=self.incarnation, tp_rank=self.tp_rank,
                 pp_rank=self.pp_rank, early_orders=self.config.early_orders,
             )
-            # Each stream is its own generation: orders are only acted on while their stream lives.
-            self.session.follow("StreamWriteOrders", lambda: broker.stream_write_orders(orders), None,
-                                on_open=self.producer.open_stream, on_lost=self.producer.stream_lost)
+            # One stream per broker member, each its own generation: orders are only acted on while their stream lives.
+            self.session.follow_members("StreamWriteOrders", lambda broker: broker.stream_write_orders(orders),
+                                        self.producer.open_stream, self.producer.stream_lost)
         else:
             self.consumer = Consumer(ConsumerCore(self.agent, self.spans, clock), poll_s, idle_s)
         logger.info("kvpush: %s rank tp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank,
@@ -212,6 +211,11 @@ class KvpushWorker:
             if self.tp_rank == 0:
                 self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
                 self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
+
+    def _report_write_result(self, request: rv_pb.ReportWriteResultRequest) -> None:
+        """On the transfer thread: to the broker member whose order it answers (it holds the attempt, owner or not)."""
+        to = self.producer.core.answer_member((request.key.transfer_id, request.key.attempt))
+        self.reports.send(Report("write_results", request, to=to))
 
     def _report_prefill_done(self, source: SourceReady) -> None:
         """On the transfer thread, after any WRITE its early order allowed was posted."""

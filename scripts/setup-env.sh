@@ -3,9 +3,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # The environment every entry point shares, sourced by scripts/test.sh and scripts/demo.sh:
 # builds .venv (once per change of pyproject.toml, this file or scripts/test.sh) and, with
-# --with-browser, installs Debian's chromium for the report tests.
+# --with-browser, installs Debian's chromium for the report tests, with --with-etcd Debian's
+# etcd-server for the tests of the etcd-backed control plane.
 #
-#   source scripts/setup-env.sh && setup_env [--with-browser]
+#   source scripts/setup-env.sh && setup_env [--with-browser] [--with-etcd]
 #
 # Afterwards $PYTHON is the venv's interpreter. Run from the repository root.
 
@@ -52,25 +53,42 @@ setup_venv() {
   echo "$wanted_stamp" > "$STAMP"
 }
 
-setup_browser() {
-  # The report tests open the HTML report in headless Chromium.
-  if command -v chromium >/dev/null; then
+# apt_install_tool COMMAND PACKAGE WHAT: installs Debian's PACKAGE (apt-get) unless COMMAND is on the PATH;
+# not being root, says how instead. WHAT names the tests that need it.
+apt_install_tool() {
+  local command=$1 package=$2 what=$3
+  if command -v "$command" >/dev/null; then
     return 0
   fi
   if [[ "$(id -u)" != 0 ]]; then
-    log "chromium is missing and this is not root: run 'apt-get install -y chromium' as root for tests/report"
+    log "$command is missing and this is not root: run 'apt-get install -y $package' as root for $what"
     return 0
   fi
-  log "installing Debian's chromium (apt-get)"
+  log "installing Debian's $package (apt-get)"
   local started=$SECONDS
   DEBIAN_FRONTEND=noninteractive apt-get update -q >/dev/null
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null
-  log "  done in $((SECONDS - started))s ($(chromium --version 2>/dev/null))"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q "$package" >/dev/null
+  log "  done in $((SECONDS - started))s ($("$command" --version 2>/dev/null | head -1))"
+}
+
+setup_browser() {
+  # The report tests open the HTML report in headless Chromium.
+  apt_install_tool chromium chromium tests/report
+}
+
+setup_etcd() {
+  # tests/etcd (and every test of the scaled-out control plane) start real etcd members.
+  apt_install_tool etcd etcd-server tests/etcd
 }
 
 setup_env() {
   setup_venv
-  if [[ "${1:-}" == "--with-browser" ]]; then
-    setup_browser
-  fi
+  local option
+  for option in "$@"; do
+    case "$option" in
+      --with-browser) setup_browser ;;
+      --with-etcd) setup_etcd ;;
+      *) echo "$SETUP_LOG_NAME: unknown option $option" >&2; return 1 ;;
+    esac
+  done
 }

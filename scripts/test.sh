@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 SETUP_LOG_NAME=test.sh
 source scripts/setup-env.sh
-setup_env --with-browser
+setup_env --with-browser --with-etcd
 
 log "running pytest"
 if [[ $# -eq 0 ]]; then

@@ -35,7 +35,7 @@ from kvpush.services.common.server import (
 from kvpush.services.common.tokens import IdentityTokens, server_tokens
 from kvpush.services.registrar import servicer as registrar_servicer
 from kvpush.services.registrar.config import RegistrarConfig
-from kvpush.services.registrar.core import RegistrarCore
+from kvpush.services.registrar.core import LocalLeases, RegistrarCore
 from kvpush.services.registrar.metrics import register_registrar_metrics
 from kvpush.telemetry import configure_tracing
 
@@ -83,7 +83,7 @@ async def start(
     running = await build_server(
         server_config,
         [
-            Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, auth)),
+            Service(registrar_servicer.SERVICE_NAME, reg_grpc.add_RegistrarServiceServicer_to_server, registrar_servicer.RegistrarServicer(registrar, LocalLeases(registrar), auth)),
             Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server, broker_servicer.BrokerServicer(broker, auth)),
         ],
         registry=registry,

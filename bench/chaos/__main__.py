@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from bench import chaos
-from bench.chaos.report import format_report
-from bench.chaos.runner import run
+from bench.chaos.runner import fault_list, run_and_report
 from bench.chaos.settings import FAULTS, long_settings, short_settings
-from kvpush.localstack.process import interrupt_on_signals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,23 +32,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = long_settings() if args.long else short_settings()
     overrides = {
-        "faults": tuple(f for f in args.faults.split(",") if f) if args.faults is not None else None, "clients": args.clients, "timeout_ms": args.timeout_ms, "pre_s": args.pre,
+        "faults": fault_list(args.faults) if args.faults is not None else None, "clients": args.clients, "timeout_ms": args.timeout_ms, "pre_s": args.pre,
         "post_s": args.post, "cut_s": args.cut, "stop_s": args.stop, "soak_attempts": args.soak, "run_dir": args.run_dir, "model_dir": args.model_dir,
     }
     settings = dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})
-    try:
-        with interrupt_on_signals():
-            result = run(settings)
-    except KeyboardInterrupt:
-        print("chaos: interrupted (every process it started was stopped)", file=sys.stderr)
-        return 130
-    print()
-    print(format_report(result))
-    if args.json == "-":
-        print(json.dumps(result, default=str))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    return 0 if result["verdict"]["passed"] else 1
+    return run_and_report(settings, args.json, "chaos")
 
 
 if __name__ == "__main__":

@@ -31,11 +31,33 @@ def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) ->
         "router serves again after every fault": not out["faults_not_recovered"],
         "colliding keys: at most one decode answered, never wrong": out["collisions_ok"],
     }
+    targets.update(failover_targets(faults))
     if soak_checks is not None:
         targets["control-plane memory back near its baseline after the soak"] = soak_checks["passed"]
     out["targets"] = targets
     out["passed"] = all(targets.values())
     return out
+
+
+# The scaled-out control plane's failover targets (issue 10).
+FAILOVER_TARGET_S = 2.0
+SHARD_LOSS_REASONS = ("BROKER_SHARD_LOST", "BROKER_SHARD_MOVED")
+
+
+def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:
+    """Per scaled-out fault run: shard loss fails over within FAILOVER_TARGET_S, failing only the dead shard's transfers; etcd and registrar losses fail nothing."""
+    targets = {}
+    for f in faults:
+        failed = f["routed"]["failures_by_reason"]
+        if f["fault"] == "shard-kill":
+            seconds = f["notes"]["failover"]["seconds"]
+            targets[f"shard-kill: its transfers succeed again <= {FAILOVER_TARGET_S:g} s after the kill"] = seconds is not None and seconds <= FAILOVER_TARGET_S
+            # Probes go straight to D, whose HTTP error carries no reason: only the router's failures are checked here.
+            targets["shard-kill: every routed failure names the lost shard"] = all(any(reason in name for reason in SHARD_LOSS_REASONS) for name in failed)
+            targets["shard-kill: the restarted shard serves its transfers again"] = f["notes"]["rejoin"]["seconds"] is not None
+        elif f["fault"] in ("etcd-kill", "registrar-kill"):
+            targets[f"{f['fault']}: no request fails"] = f["routed"]["failed"] == 0 and f["direct"]["failed"] == 0
+    return targets
 
 
 def summarize_totals(faults: list[dict[str, Any]]) -> dict[str, Any]:
@@ -80,6 +102,12 @@ def format_report(result: dict[str, Any]) -> str:
             lines.append(f"direct requests, {f['fault']}: ok {f['direct']['ok']}, failed {f['direct']['failed']} "
                          + "(" + ", ".join(f"{k} x{v}" for k, v in f["direct"]["failures_by_reason"].items()) + f"), hung {f['direct']['hung']}, "
                          f"wrong {f['direct']['wrong']}")
+    for f in result["faults"]:
+        if f["fault"] == "shard-kill":
+            fo, rj = f["notes"]["failover"], f["notes"]["rejoin"]
+            lines.append(f"shard-kill ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the kill ({fo['probes']} probes, "
+                         f"failed {fo['failed_by_reason'] or 'none'}); after its restart {rj['seconds']} s ({rj['probes']} probes, "
+                         f"failed {rj['failed_by_reason'] or 'none'})")
     soak_result = result.get("soak")
     if soak_result and "error" in soak_result["checks"]:
         lines.append(f"soak failed: {soak_result['checks']['error']}")

@@ -15,10 +15,11 @@ from typing import Any
 
 from bench.chaos.faults import Chaos
 from bench.chaos.log import Log
-from bench.chaos.report import summarize_totals, verdict
-from bench.chaos.settings import FAULTS, Settings
+from bench.chaos.report import format_report, summarize_totals, verdict
+from bench.chaos.settings import EMBEDDED_ONLY, FAULTS, SCALED_ONLY, Settings
 from bench.chaos.soak import soak_both, soak_verdict
 from bench.chaos.stack import Stack
+from kvpush.localstack.process import interrupt_on_signals
 from kvpush.tinymodel import build_tiny_model, default_model_dir
 
 
@@ -31,6 +32,11 @@ def run(settings: Settings, *, quiet: bool = False) -> dict[str, Any]:
     unknown = [f for f in settings.faults if f not in FAULTS]
     if unknown:
         raise ValueError(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    misplaced = [f for f in settings.faults if f in (EMBEDDED_ONLY if settings.scaled else SCALED_ONLY)]
+    if misplaced:
+        raise ValueError(f"faults {misplaced} need the {'embedded' if settings.scaled else 'scaled-out'} control plane")
+    if settings.scaled and settings.soak_attempts:
+        raise ValueError("the soak measures the embedded control plane: run it without --scaled")
     started = time.monotonic()
     model_dir = build_tiny_model(settings.model_dir or default_model_dir())
     log(f"writing to {run_dir}; faults {', '.join(settings.faults)}; {settings.clients} clients; deadline {settings.timeout_ms} ms")
@@ -70,3 +76,25 @@ def run(settings: Settings, *, quiet: bool = False) -> dict[str, Any]:
     result["wall_s"] = round(time.monotonic() - started, 1)
     (run_dir / "result.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
     return result
+
+
+def fault_list(text: str) -> tuple[str, ...]:
+    """The faults of a comma-separated --faults ('' for none)."""
+    return tuple(fault for fault in text.split(",") if fault)
+
+
+def run_and_report(settings: Settings, json_path: str | None, prog: str) -> int:
+    """Runs settings, prints the report (and the result as JSON to json_path: '-' for stdout); the exit status (0: passed, 130: interrupted)."""
+    try:
+        with interrupt_on_signals():
+            result = run(settings)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted (every process it started was stopped)", file=sys.stderr)
+        return 130
+    print()
+    print(format_report(result))
+    if json_path == "-":
+        print(json.dumps(result, default=str))
+    elif json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    return 0 if result["verdict"]["passed"] else 1

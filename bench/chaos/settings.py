@@ -31,7 +31,15 @@ FAULTS: dict[str, str] = {
     "proxy-cut": "P's proxy to the control plane cuts every connection and refuses new ones, then heals",
     "disconnects": "clients close their HTTP connection at random times mid-request",
     "collide": "two decode legs sharing one (transfer_id, attempt) + its prefill leg, straight to D/P; malformed kvpush params",
+    # The scaled-out control plane's faults (settings.scaled):
+    "shard-kill": "kill -9 of one broker shard; probes owned by it until one succeeds; the shard restarted (it rejoins)",
+    "etcd-kill": "kill -9 of one etcd member, restarted after a while",
+    "registrar-kill": "kill -9 of one registrar replica, restarted after a while",
 }
+# Faults that need the embedded control plane (its process, P's proxy) or the scaled one.
+EMBEDDED_ONLY = ("cp-kill", "proxy-cut")
+SCALED_ONLY = ("shard-kill", "etcd-kill", "registrar-kill")
+FAILOVER_ORDER = ("shard-kill", "etcd-kill", "registrar-kill")
 LONG_ORDER = ("p-kill", "d-kill", "cp-kill", "p-stop", "proxy-cut", "disconnects", "collide")
 # The CI form: the cheap faults first, the one that restarts an engine last (its restart is the longest step).
 SHORT_ORDER = ("disconnects", "collide", "proxy-cut", "p-stop", "cp-kill", "p-kill")
@@ -57,6 +65,10 @@ class Settings:
     soak_timeout_s: float = 15.0
     soak_settle_s: float = BROKER_RETENTION_S + 10.0
     seed: int = 20261201
+    scaled: bool = False  # the scaled-out control plane (etcd, registrar replicas, broker shards) instead of the embedded one
+    shards: int = 3
+    shard_lease_ttl_s: float = 2.0
+    part_down_s: float = 3.0  # etcd-kill / registrar-kill / shard-kill: how long the part stays dead before its restart
     run_dir: Path | None = None
     model_dir: Path | None = None
 

@@ -1,6 +1,11 @@
 # SPDX-FileCopyrightText: 2026 The kvpush Authors
 # SPDX-License-Identifier: Apache-2.0
-"""The local stack under chaos: control plane, P's proxy, P and D engines and the router, each one killable and restartable."""
+"""The local stack under chaos: control plane, P's proxy, P and D engines and the router, each one killable and restartable.
+
+With settings.scaled the control plane is the scaled-out form instead (an
+etcd cluster, registrar replicas, broker shards; kvpush.localstack.scaled)
+and P reaches it directly: there is no proxy to cut.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks, scrape_metr
 from kvpush.localstack.process import free_port
 from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.router import RouterHandle, start_router
+from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec
 
 ENGINE_START_TIMEOUT_S = 240.0
 
@@ -46,6 +52,7 @@ class Stack:
         self.cp_dir = run_dir / "control-plane"
         self.metrics_port = free_port()
         self.cp: ControlPlaneHandle | None = None
+        self.scaled: ScaledControlPlane | None = None
         self.proxy: TcpProxy | None = None
         self.engines: dict[str, ServerHandle] = {}
         self.ports: dict[str, int] = {}
@@ -65,10 +72,17 @@ class Stack:
                                       extra_args=self._cp_args())
 
     def start(self) -> None:
-        self.start_control_plane()
-        self.log(f"control plane on {self.cp.address} (metrics :{self.metrics_port}), pid {self.cp.process.pid}")
-        self.proxy = TcpProxy(("127.0.0.1", self.cp.port)).start()
-        self.log(f"P's proxy to the control plane on {self.proxy.address}")
+        if self.settings.scaled:
+            spec = ScaledSpec(brokers=self.settings.shards, shard_lease_ttl_s=self.settings.shard_lease_ttl_s)
+            self.scaled = ScaledControlPlane(self.cp_dir, spec, engine_ids=(PREFILL_ID, DECODE_ID, SOAK_PREFILL_ID, SOAK_DECODE_ID))
+            self.scaled.start()
+            self.log(f"scaled control plane: etcd {self.scaled.etcd.endpoints}, registrars {self.scaled.registrar_target}, "
+                     f"brokers {self.scaled.broker_target}")
+        else:
+            self.start_control_plane()
+            self.log(f"control plane on {self.cp.address} (metrics :{self.metrics_port}), pid {self.cp.process.pid}")
+            self.proxy = TcpProxy(("127.0.0.1", self.cp.port)).start()
+            self.log(f"P's proxy to the control plane on {self.proxy.address}")
         self.log("starting P (CPU 0), D (CPU 1) and a single reference engine together")
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             reference = pool.submit(reference_run, self.model_dir, self.prompts, MAX_TOKENS, log_path=self.run_dir / "reference.log",
@@ -95,8 +109,19 @@ class Stack:
         self.kv_baseline = self.kv_free()
         self.log(f"KV blocks free at start: {self.kv_baseline} of {self.kv_total}")
 
+    @property
+    def broker_address(self) -> str:
+        """Where the broker answers (the shard map's seed when scaled)."""
+        return self.scaled.broker_target if self.scaled is not None else self.cp.address
+
+    @property
+    def router_token(self) -> str:
+        return (self.scaled or self.cp).token_file.read_text().strip()
+
     def engine_config(self, role: str) -> dict:
         engine_id, _ = ROLES[role]
+        if self.scaled is not None:
+            return self.scaled.transfer_config(role, engine_id, hold_margin_s=HOLD_MARGIN_S, transfer_timeout_s=self.settings.deadline_s)
         # Only P reaches the control plane through the proxy; D and the router talk to it directly.
         return kvpush_transfer_config(role, engine_id, self.cp, control_plane_address=self.proxy.address if role == "prefill" else None,
                                       hold_margin_s=HOLD_MARGIN_S, transfer_timeout_s=self.settings.deadline_s)
@@ -110,9 +135,11 @@ class Stack:
         return handle
 
     def start_router(self) -> None:
+        extra = ["--transfer-timeout-ms", str(self.settings.timeout_ms)]
+        if self.scaled is not None:
+            extra += ["--control-plane", self.scaled.broker_target, "--token-file", str(self.scaled.token_file)]
         self.router = start_router(self.run_dir, prefill=[f"{self.engines['prefill'].url}={PREFILL_ID}"],
-                                   decode=[f"{self.engines['decode'].url}={DECODE_ID}"], control_plane=self.cp,
-                                   extra_args=["--transfer-timeout-ms", str(self.settings.timeout_ms)])
+                                   decode=[f"{self.engines['decode'].url}={DECODE_ID}"], control_plane=self.cp, extra_args=extra)
 
     @property
     def router_url(self) -> str:
@@ -127,6 +154,8 @@ class Stack:
             steps.append((role, lambda handle=handle: _resume_and_stop(handle)))
         if self.cp is not None:
             steps.append(("control plane", self.cp.stop))
+        if self.scaled is not None:
+            steps.append(("scaled control plane", self.scaled.stop))
         if self.proxy is not None:
             steps.append(("proxy", self.proxy.close))
         for name, step in steps:

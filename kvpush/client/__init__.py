@@ -7,6 +7,8 @@ from kvpush.client.config import ClientConfig, RetryPolicy
 from kvpush.client.loop_thread import LoopThread
 from kvpush.client.registrar import RegistrarClient
 from kvpush.client.rpc import BidiStreamCall, StreamCall
+from kvpush.client.shard_map import UNSHARDED, ShardMap
+from kvpush.client.sharded_broker import ShardedBrokerClient
 
 __all__ = [
     "BidiStreamCall",
@@ -15,5 +17,8 @@ __all__ = [
     "LoopThread",
     "RegistrarClient",
     "RetryPolicy",
+    "ShardMap",
+    "ShardedBrokerClient",
     "StreamCall",
+    "UNSHARDED",
 ]

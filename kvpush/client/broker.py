@@ -89,6 +89,10 @@ class BrokerClient(ServiceClient):
         """
         return self._stream(BidiStreamCall, "EngineReports", None, timeout_s, {ATTR_ENGINE_ID: engine_id})
 
+    def watch_shards(self, *, timeout_s: float | None = None) -> StreamCall[pb.WatchShardsResponse]:
+        """Streams the broker's shard map: the whole map now, then again on every change (ShardMap follows it)."""
+        return self._stream(StreamCall, "WatchShards", pb.WatchShardsRequest(), timeout_s, {})
+
     def stream_transfer_events(self, request: pb.StreamTransferEventsRequest, *, timeout_s: float | None = None) -> StreamCall[pb.StreamTransferEventsResponse]:
         """Streams the end of every transfer to one decode engine."""
         return self._stream(

@@ -56,6 +56,10 @@ class RetryPolicy:
         )
 
 
+# The first reconnection attempt after a lost connection waits this long.
+RECONNECT_BACKOFF_FLOOR_S = 0.1
+
+
 @dataclasses.dataclass(frozen=True)
 class ClientConfig:
     """How a RegistrarClient or BrokerClient reaches the control plane.
@@ -88,6 +92,21 @@ class ClientConfig:
     retry: RetryPolicy = dataclasses.field(default_factory=RetryPolicy)
     keepalive_time_s: float = 30.0
     keepalive_timeout_s: float = 10.0
+    # Control-plane members (the embedded control plane, a broker shard, a
+    # registrar replica) restart on the same address: after a lost
+    # connection the channel tries again within this long, not after gRPC's
+    # default backoff (1 s growing to 120 s), which would keep an engine away
+    # from a restarted member for seconds to minutes.
+    max_reconnect_backoff_s: float = 1.0
+    # own_connections: the channel keeps its connections to itself instead
+    # of sharing them, through gRPC's process-wide subchannel pool, with
+    # other channels to the same address. A broker member's channel, opened
+    # when the member (re)joins, then connects at once: a shared connection
+    # to that address (the seed's, a multi-address target of every member)
+    # may still be failing since the member's last process died, and a call
+    # on the new channel would fail with that old error until the shared
+    # connection's next attempt, a second or more later.
+    own_connections: bool = False
     # KV layouts list a region per layer and plane and WatchEngines sends
     # every rank of an engine at once: more than gRPC's 4 MiB default.
     max_message_bytes: int = 64 * 1024 * 1024
@@ -103,6 +122,8 @@ class ClientConfig:
             raise ValueError("keepalive times must be positive")
         if self.max_message_bytes <= 0:
             raise ValueError("max_message_bytes must be positive")
+        if self.max_reconnect_backoff_s < RECONNECT_BACKOFF_FLOOR_S:
+            raise ValueError(f"max_reconnect_backoff_s must be at least {RECONNECT_BACKOFF_FLOOR_S:g}")
 
     @property
     def uses_tls(self) -> bool:
@@ -116,7 +137,12 @@ class ClientConfig:
             ("grpc.keepalive_permit_without_calls", 0),
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", int(RECONNECT_BACKOFF_FLOOR_S * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(RECONNECT_BACKOFF_FLOOR_S * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff_s * 1000)),
         ]
+        if self.own_connections:
+            options.append(("grpc.use_local_subchannel_pool", 1))
         if self.tls_server_name:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         if retry_safe and self.retry.max_attempts > 1:

@@ -23,8 +23,31 @@ CONTROL_PLANE_START_TIMEOUT_S = 30.0
 DEFAULT_ENGINE_IDS = ("prefill-0", "decode-0")
 
 
+class TokenFiles:
+    """The token files of a local control plane whose tokens_dir holds one per identity (the router and each engine it was started for)."""
+
+    tokens_dir: Path
+
+    def token_file_of(self, identity: str) -> Path:
+        """The token file of identity (the router or an engine the control plane was started for)."""
+        path = self.tokens_dir / identity
+        if not path.exists():
+            raise ValueError(f"no token for {identity!r}: pass it in engine_ids")
+        return path
+
+    @property
+    def token_file(self) -> Path:
+        """The router's token file (what a router, or a test querying transfers, presents)."""
+        return self.token_file_of(ROUTER_IDENTITY)
+
+    @property
+    def token(self) -> str:
+        """The router's token."""
+        return self.token_file.read_text().strip()
+
+
 @dataclass
-class ControlPlaneHandle:
+class ControlPlaneHandle(TokenFiles):
     """A running `kvpush control-plane` process."""
 
     process: GroupProcess
@@ -38,23 +61,6 @@ class ControlPlaneHandle:
     @property
     def tokens_dir(self) -> Path:
         return _tokens_dir(self.work_dir)
-
-    def token_file_of(self, identity: str) -> Path:
-        """The token file of identity (the router or an engine the control plane was started for)."""
-        path = self.tokens_dir / identity
-        if not path.exists():
-            raise ValueError(f"no token for {identity!r}: pass it in start_control_plane(engine_ids=...)")
-        return path
-
-    @property
-    def token_file(self) -> Path:
-        """The router's token file (what a router, or a test querying transfers, presents)."""
-        return self.token_file_of(ROUTER_IDENTITY)
-
-    @property
-    def token(self) -> str:
-        """The router's token."""
-        return self.token_file.read_text().strip()
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (graceful shutdown), then SIGKILL if it is still there after `timeout`."""

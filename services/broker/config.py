@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Broker settings: timeout bound, fencing timing, memory bounds, stream queue sizes and the registrar it mirrors."""
+"""Broker settings: timeout bound, fencing timing, memory bounds, stream queue sizes, the registrar it mirrors and its shard membership."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from kvpush.services.common.validation import ID_PATTERN
 from kvpush.settings import Settings, setting
 
 
@@ -69,3 +70,34 @@ class UpstreamRegistrar(Settings):
 
     target: str = setting("127.0.0.1:50052", flag="--registrar", env="KVPUSH_REGISTRAR", help="registrar address (host:port)")
     timeout_s: float = setting(5.0, flag="--registrar-timeout", env="KVPUSH_REGISTRAR_TIMEOUT_S", convert=float, help="deadline of each call to the registrar")
+
+@dataclasses.dataclass(frozen=True)
+class ShardMembership(Settings):
+    """Which member of a sharded broker this one is (the members meet on kvpush.etcd.settings.EtcdSettings' etcd)."""
+
+    # member_id stays the same across restarts (a StatefulSet pod name), so a
+    # restarted member owns the same transfers again.
+    member_id: str = setting("", flag="--member-id", env="KVPUSH_BROKER_MEMBER_ID", help="this broker member's id in the shard map")
+    # advertise is what engines and routers dial; unset, the --listen address
+    # with the port actually bound (which must then not be a wildcard).
+    advertise: str = setting("", flag="--advertise", env="KVPUSH_BROKER_ADVERTISE", metavar="HOST:PORT", help="address others reach this member at")
+    # lease_ttl_s: how long a dead or cut-off member keeps its transfers; a
+    # member stops serving as soon as it cannot be sure it still holds it.
+    lease_ttl_s: int = setting(
+        2, flag="--shard-lease-ttl", env="KVPUSH_SHARD_LEASE_TTL_S", convert=int, at_least=1, help="seconds of the member's etcd lease"
+    )
+
+    def check_on_etcd(self, listen: str) -> None:
+        """What a broker on etcd needs: a valid --member-id, and an address to advertise (a wildcard --listen needs --advertise)."""
+        if ID_PATTERN.fullmatch(self.member_id) is None:
+            raise ValueError(f"a broker on etcd needs --member-id, a valid id (1-128 of letters, digits, '.', '_', ':', '-'), not {self.member_id!r}")
+        self.address(listen, 0)
+
+    def address(self, listen: str, port: int) -> str:
+        """The address to advertise for a server bound to port from listen."""
+        if self.advertise:
+            return self.advertise
+        host = listen.rsplit(":", 1)[0]
+        if host in ("", "0.0.0.0", "[::]", "::"):
+            raise ValueError(f"--listen {listen} is every interface: say which address others reach this member at with --advertise")
+        return f"{host}:{port}"

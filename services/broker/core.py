@@ -9,6 +9,11 @@ them), collects their write results and tells both sides how it ended. The
 transitions and fencing live in machine.py, the tables in store.py, the
 streams in mailboxes.py, the rendered protos in messages.py.
 
+A sharded broker's member serves only the transfers it owns (ownership.py):
+on a membership change it ends the live attempts it no longer owns
+(BROKER_SHARD_MOVED), or every one when it stops serving
+(BROKER_SHARD_LOST), through the same fencing path as every other end.
+
 The core reads time only from its Clock and never sleeps: tick() ends
 attempts whose deadline passed, fences those whose bound passed, forgets
 settled attempts after retention, and returns when it next needs to run.
@@ -31,13 +36,16 @@ from kvpush.services.broker.cancels import Actor, actor_of, authorize
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.machine import AttemptMachine
 from kvpush.services.broker.mailboxes import Mailboxes, Subscription
+from kvpush.services.broker.membership import Membership, ShardWatches, StaticMembership
 from kvpush.services.broker.messages import Messages
 from kvpush.services.broker.metrics import BrokerMetrics
+from kvpush.services.broker.ownership import SHARD_REASONS, Ownership
 from kvpush.services.broker.plans import DECODE, PREFILL, EngineDirectory, Planner, check_blocks, invalid
 from kvpush.services.broker.store import AttemptStore
 from kvpush.services.broker.tracing import RendezvousTracing
 from kvpush.services.common import validation
 from kvpush.services.common.clock import Clock
+from kvpush.services.common.outbox import Outbox
 
 
 class BrokerCore:
@@ -51,7 +59,9 @@ class BrokerCore:
         *,
         metrics: BrokerMetrics | None = None,
         tracer_provider: trace.TracerProvider | None = None,
+        membership: Membership | None = None,
     ):
+        """membership None: an unsharded broker (StaticMembership)."""
         self._directory = directory
         self._config = config
         self._clock = clock
@@ -61,14 +71,22 @@ class BrokerCore:
         self._messages = Messages(config, clock, tracing)
         self._store = AttemptStore(config)
         self._mailboxes = Mailboxes(self._planner)
-        self._machine = AttemptMachine(config, clock, self._store, self._mailboxes, self._planner, self._messages, tracing, self.metrics)
+        self._ownership = Ownership(membership if membership is not None else StaticMembership(), clock, config.startup_grace_s)
+        self._ownership.refresh()
+        self._shard_watches = ShardWatches()
+        self._machine = AttemptMachine(
+            config, clock, self._store, self._mailboxes, self._planner, self._messages, tracing, self.metrics, self._ownership.grace_end
+        )
         directory.add_removal_listener(self.on_engine_removed)
+        self._ownership.membership.add_listener(self.on_membership_change)
         counts = self._store.state_counts
         self.metrics.read_gauges_from(
             lambda: counts[a.WAITING_FOR_PREFILL],
             lambda: counts[a.WAITING_FOR_REGISTRATION],
             lambda: sum(counts[s] for s in a.LIVE),
         )
+        membership = self._ownership.membership
+        self.metrics.read_shard_gauges_from(lambda: len(membership.members()), lambda: float(membership.serving()))
 
     # ----- counts and hooks -----
 
@@ -90,7 +108,9 @@ class BrokerCore:
     @property
     def memory_sizes(self) -> dict[str, int]:
         """Sizes of every table the core keeps (for leak checks: all bounded)."""
-        return {**self._store.memory_sizes, **self._mailboxes.memory_sizes, "engine_infos": self._planner.cached_engines}
+        return {
+            **self._store.memory_sizes, **self._mailboxes.memory_sizes, "engine_infos": self._planner.cached_engines, "shard_watches": len(self._shard_watches)
+        }
 
     def set_wakeup(self, wakeup: Callable[[float], None]) -> None:
         """wakeup(t) is called when tick() must run at t, earlier than it last said."""
@@ -99,6 +119,11 @@ class BrokerCore:
     def add_end_listener(self, listener: Callable[[str, int], None]) -> None:
         """listener(transfer_id, attempt) is called whenever an attempt reaches a terminal state."""
         self._machine.end_listeners.append(listener)
+
+    @property
+    def membership(self) -> Membership:
+        """The shard map this broker serves by."""
+        return self._ownership.membership
 
     def newest_attempt(self, transfer_id: str) -> int:
         """The newest attempt number seen for transfer_id (0: none remembered)."""
@@ -123,7 +148,9 @@ class BrokerCore:
         try:
             att = self._arrive(a.DECODE_SIDE, request, caller_engine_id, parent)
         except KvpushError as error:
-            error.metadata["fenced"] = "true" if self._machine.refuse_registration(request, caller_engine_id, error) else "false"
+            # Another member may serve this transfer (or this one again, later): a shard refusal vouches for nothing.
+            fenced = error.reason not in SHARD_REASONS and self._machine.refuse_registration(request, caller_engine_id, error)
+            error.metadata["fenced"] = "true" if fenced else "false"
             raise
         response = rv_pb.RegisterDestinationResponse(
             # The decode side may reuse its blocks now only if the attempt ended without them.
@@ -149,7 +176,7 @@ class BrokerCore:
         checks.check_caller(mine.engine_id, caller_engine_id, f"{mine_field}.engine_id")
         now = self._clock.now()
 
-        att = self._store.find(transfer_id, number)
+        att = self._find_held(transfer_id, number)
         if att is not None:
             recorded = att.dest if decode else att.src
             if recorded is not None:
@@ -161,6 +188,8 @@ class BrokerCore:
             late_prefill_done = not decode and att.state == a.DONE
             if att.ended and not late_prefill_done:
                 raise checks.ended_error(att)
+        if att is None or not att.ended:
+            self._check_owner(transfer_id, "key.transfer_id")  # it would start or move an attempt
 
         # Checks that depend on the engines and the request's content.
         my_info = self._planner.engine(
@@ -242,8 +271,10 @@ class BrokerCore:
     def report_write_result(self, request: rv_pb.ReportWriteResultRequest, caller_engine_id: str) -> rv_pb.ReportWriteResultResponse:
         """Records what a producer rank did with its order or revocation."""
         transfer_id, number = checks.check_write_result(request, caller_engine_id)
-        att = self._store.find(transfer_id, number)
+        att = self._find_held(transfer_id, number)
         if att is None:
+            # The member that sent an order fences it, owner or not: it takes the answer while it holds the attempt.
+            self._check_owner(transfer_id, "key.transfer_id")
             raise NotFound(f"transfer {transfer_id} attempt {number} is not known", reason=Reason.TRANSFER_NOT_FOUND, field="key")
         rank_key = (request.engine_id, att.p_incarnation, request.tp_rank, request.pp_rank)
         order = att.orders.get(rank_key) if request.engine_id == att.p_engine_id else None
@@ -289,6 +320,8 @@ class BrokerCore:
         validation.check_id(key.transfer_id, "key.transfer_id")
         validation.check_text(detail, "detail", self._config.max_text_length, required=False)
         transfer_id, number = key.transfer_id, key.attempt
+        if number == 0 or self._find_held(transfer_id, number) is None:
+            self._check_owner(transfer_id, "key.transfer_id")  # every attempt, or one it does not hold: the owner's
         record = self._store.record(transfer_id)
         now = self._clock.now()
         detail = detail or f"cancelled by {actor.name.lower()}"
@@ -324,6 +357,8 @@ class BrokerCore:
     def get_transfer(self, transfer_id: str, attempt: int = 0) -> tr_pb.Transfer:
         """The attempt's record (attempt 0: the newest one remembered)."""
         validation.check_id(transfer_id, "transfer_id")
+        if attempt == 0 or self._find_held(transfer_id, attempt) is None:
+            self._check_owner(transfer_id, "transfer_id")
         record = self._store.record(transfer_id)
         att = None
         if record is not None and record.attempts:
@@ -375,6 +410,63 @@ class BrokerCore:
     def heartbeat_interval_s(self) -> float:
         return self._config.stream_lease_s / 3
 
+    # ----- shards -----
+
+    def watch_shards(self) -> Outbox:
+        """An outbox that gets the shard map now and after every change; it closes when this member stops serving."""
+        self._mailboxes.check_open()
+        self.on_membership_change()
+        self._ownership.check_serving()
+        return self._shard_watches.open(self.membership)
+
+    def unwatch_shards(self, outbox: Outbox) -> None:
+        """The WatchShards stream of outbox ended."""
+        self._shard_watches.release(outbox)
+
+    def check_serving(self) -> None:
+        """Refuses (UNAVAILABLE BROKER_SHARD_LOST) while this member is not serving."""
+        self.on_membership_change()
+        self._ownership.check_serving()
+
+    def _find_held(self, transfer_id: str, number: int) -> Attempt | None:
+        """The attempt if this member holds it, once any membership change is acted on.
+
+        A member answers about the attempts it holds, owner or not (an
+        identical repeat gets the recorded answer; an order's answer reaches
+        the member that sent it); whatever would start an attempt, or is
+        about one it does not hold or every attempt, is the owner's.
+        """
+        self.on_membership_change()
+        return self._store.find(transfer_id, number)
+
+    def _check_owner(self, transfer_id: str, field: str) -> None:
+        """Acts on a membership change not acted on yet, then refuses a transfer this member may not serve."""
+        self.on_membership_change()
+        self._ownership.check(transfer_id, field)
+
+    def on_membership_change(self) -> None:
+        """Acts on a change of the shard map or of serving not acted on yet.
+
+        Ends the live attempts this member no longer serves and sends the
+        new map to its watchers; a member that stopped serving ends their
+        streams instead (its map may be stale: they should watch another).
+        """
+        ownership = self._ownership
+        if not ownership.refresh():
+            return
+        now = self._clock.now()
+        me = ownership.membership.member_id
+        for att in self._store.live_attempts():
+            if not ownership.serving:
+                self._machine.end(att, a.FAILED, tr_pb.END_REASON_BROKER_SHARD_LOST, f"broker member {me} lost its membership", now)
+            elif not ownership.owns(att.transfer_id):
+                owner = ownership.owner(att.transfer_id)
+                self._machine.end(att, a.FAILED, tr_pb.END_REASON_BROKER_SHARD_MOVED, f"the transfer moved to broker member {owner}", now)
+        if ownership.serving:
+            self._shard_watches.changed(ownership.membership)
+        else:
+            self._shard_watches.close()
+
     # ----- engine loss, deadlines, shutdown -----
 
     def on_engine_removed(self, engine_id: str, incarnation: str, reason: str) -> None:
@@ -409,5 +501,6 @@ class BrokerCore:
         return self._store.next_time()
 
     def close(self) -> None:
-        """Ends every subscription (the streams finish); later subscriptions are refused."""
+        """Ends every subscription and shard watch (the streams finish); later ones are refused."""
         self._mailboxes.close(self._clock.now())
+        self._shard_watches.close()

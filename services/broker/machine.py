@@ -11,7 +11,8 @@ answered or its fencing bound passed — min(budget end, stream lease end) +
 write timeout + margin, after which the rank can no longer post nor have a
 WRITE in flight. Only then does the decode engine get TransferEvent{ENDED}
 (FAILED before that) and may reuse its blocks. A new broker fences nothing
-for its first startup_grace_s: a predecessor's orders may still be acted on.
+for its first startup_grace_s: a predecessor's orders may still be acted on;
+a broker member that gains transfers does the same for them (ownership.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class AttemptMachine:
         messages: Messages,
         tracing: RendezvousTracing,
         metrics: BrokerMetrics,
+        grace_end: Callable[[str], float],
     ):
         self._config = config
         self._clock = clock
@@ -59,13 +61,13 @@ class AttemptMachine:
         self._messages = messages
         self._tracing = tracing
         self._metrics = metrics
-        self._grace_end = clock.now() + config.startup_grace_s
+        # Until when the broker vouches for nothing about a transfer (Ownership.grace_end).
+        self._grace_end = grace_end
         self.end_listeners: list[Callable[[str, int], None]] = []
 
-    @property
-    def vouching(self) -> bool:
-        """Whether this broker may say "fenced" of what it holds no record of (past its startup grace)."""
-        return self._clock.now() >= self._grace_end
+    def vouching(self, transfer_id: str) -> bool:
+        """Whether this broker may say "fenced" of what it holds no record of about transfer_id (past its grace)."""
+        return self._clock.now() >= self._grace_end(transfer_id)
 
     # ----- live transitions -----
 
@@ -182,9 +184,11 @@ class AttemptMachine:
                 att.note(a.TL_WRITE_RESULT, now, f"{rank_name(rank_key)} no answer: fenced by time")
             else:
                 next_check = bound if next_check is None else min(next_check, bound)
-        if next_check is None and now < self._grace_end and (att.orders or att.dest is not None):
-            # A predecessor broker's orders for this key may still be acted on.
-            next_check = self._grace_end
+        if next_check is None and (att.orders or att.dest is not None):
+            grace_end = self._grace_end(att.transfer_id)
+            if now < grace_end:
+                # A predecessor broker's (or previous owner's) orders for this key may still be acted on.
+                next_check = grace_end
         if next_check is not None:
             self._store.schedule(att, next_check)
             return
@@ -195,7 +199,7 @@ class AttemptMachine:
 
     def refuse_registration(self, request: rv_pb.RegisterDestinationRequest, caller: str, error: KvpushError) -> bool:
         """Whether a refused registration's blocks can never be written; remembers the refusal until its deadline."""
-        if not self.vouching:
+        if not self.vouching(request.key.transfer_id):
             return False
         key = request.key
         if validation.ID_PATTERN.fullmatch(key.transfer_id) is None or key.attempt == 0:

@@ -1,26 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`kvpush broker`: the rendezvous broker alone, mirroring a registrar at --registrar."""
+"""`kvpush broker`: the rendezvous broker alone, mirroring a registrar at --registrar; with --etcd, one member of a sharded broker."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import sys
 
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
-from kvpush.services.broker.config import BrokerConfig, UpstreamRegistrar
+from kvpush.services.broker.config import BrokerConfig, ShardMembership, UpstreamRegistrar
 from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.etcd_membership import EtcdMembership
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.broker.remote_directory import RemoteEngineDirectory
 from kvpush.services.common.auth import AUTHORIZATION_KEY, BEARER_PREFIX, Authenticator
 from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
-from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled
+from kvpush.services.common.server import (
+    MetricsServer,
+    RunningServer,
+    Service,
+    announce,
+    build_server,
+    run_event_loop,
+    serve_until_signalled,
+)
 from kvpush.services.common.tokens import BROKER_IDENTITY, IdentityTokens, server_tokens
 from kvpush.telemetry import configure_tracing
 
@@ -29,6 +41,11 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     ServerConfig.add_arguments(parser, listen="127.0.0.1:50053")
     BrokerConfig.add_arguments(parser)
     UpstreamRegistrar.add_arguments(parser)
+    EtcdSettings.add_arguments(parser)
+    ShardMembership.add_arguments(parser)
+
+# How often the health status is checked against serving() even without a change heard (a lease can lapse unannounced).
+HEALTH_RECHECK_S = 0.5
 
 
 def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Channel:
@@ -53,13 +70,37 @@ def _registrar_metadata(tokens: IdentityTokens | None) -> tuple[tuple[str, str],
     return ((AUTHORIZATION_KEY, BEARER_PREFIX + token),)
 
 
-async def serve(server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar: UpstreamRegistrar) -> int:
+async def _follow_health(running: RunningServer, directory: RemoteEngineDirectory, broker: BrokerCore) -> None:
+    """RendezvousService is SERVING once the engine mirror is synced, and then while the member serves its shard."""
+    await directory.synced.wait()
+    changed = asyncio.Event()
+    broker.membership.add_listener(changed.set)
+    reported = None
+    while True:
+        serving = broker.membership.serving()
+        if serving != reported:
+            await running.set_serving(broker_servicer.SERVICE_NAME, serving)
+            reported = serving
+        changed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), HEALTH_RECHECK_S)
+
+
+async def serve(
+    server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar: UpstreamRegistrar,
+    etcd_settings: EtcdSettings,
+    shards: ShardMembership,
+) -> int:
     configure_tracing("kvpush-broker")
     clock = SystemClock()
     channel = _registrar_channel(server_config, registrar.target)
     directory = RemoteEngineDirectory(reg_grpc.RegistrarServiceStub(channel), metadata=_registrar_metadata(tokens), rpc_timeout_s=registrar.timeout_s)
     registry = CollectorRegistry()
-    broker = BrokerCore(directory, broker_config, clock, metrics=BrokerMetrics(registry))
+    etcd = etcd_settings.client() if etcd_settings.endpoints else None
+    membership = None
+    if etcd is not None:
+        membership = EtcdMembership(etcd, member_id=shards.member_id, prefix=etcd_settings.prefix, lease_ttl_s=shards.lease_ttl_s)
+    broker = BrokerCore(directory, broker_config, clock, metrics=BrokerMetrics(registry), membership=membership)
     auth = Authenticator(mtls=server_config.mtls)
     running = await build_server(
         server_config,
@@ -72,18 +113,17 @@ async def serve(server_config: ServerConfig, broker_config: BrokerConfig, tokens
     broker.set_wakeup(deadlines.wake)
     metrics = MetricsServer(server_config, registry)
 
-    async def serving_once_synced() -> None:
-        await directory.synced.wait()
-        await running.set_serving(broker_servicer.SERVICE_NAME, True)
-
+    background = [directory.run(), deadlines.run(), _follow_health(running, directory, broker)]
+    before_stop, after_stop = [broker.close], [metrics.close, channel.close]
+    if membership is not None:
+        membership.address = shards.address(server_config.listen, running.port)
+        background.append(membership.run())
+        # A stopping member leaves the map first (at once, not a lease ttl later), so callers go to the new owners;
+        # its live attempts end BROKER_SHARD_LOST while their streams are still open.
+        before_stop.insert(0, membership.close)
+        after_stop.append(etcd.close)
     announce("broker", server_config, running.port, metrics.port)
-    return await serve_until_signalled(
-        running,
-        server_config,
-        background=[directory.run(), deadlines.run(), serving_once_synced()],
-        before_stop=[broker.close],
-        after_stop=[metrics.close, channel.close],
-    )
+    return await serve_until_signalled(running, server_config, background=background, before_stop=before_stop, after_stop=after_stop)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
         server_config = ServerConfig.from_args(args)
         tokens = server_tokens(server_config)
         _registrar_metadata(tokens)  # a missing `broker` token stops the start here, with a clear message
-        configs = (server_config, BrokerConfig.from_args(args), tokens, UpstreamRegistrar.from_args(args))
+        etcd, shards = EtcdSettings.from_args(args), ShardMembership.from_args(args)
+        if etcd.endpoints:
+            shards.check_on_etcd(server_config.listen)  # no --member-id, or a wildcard --listen without --advertise, stops the start here
+        configs = (server_config, BrokerConfig.from_args(args), tokens, UpstreamRegistrar.from_args(args), etcd, shards)
     except (ValueError, OSError) as exc:
         print(f"kvpush broker: {exc}", file=sys.stderr)
         return 2

@@ -39,6 +39,8 @@ class BrokerMetrics:
             "kvpush_broker_write_seconds", "A producer rank's WRITE, post to completion, as the rank reports it (WRITTEN results)",
             buckets=_WAIT_BUCKETS, registry=r,
         )
+        self.shard_members = Gauge("kvpush_broker_shard_members", "Members in the shard map this broker member sees (1 unsharded)", registry=r)
+        self.shard_serving = Gauge("kvpush_broker_shard_serving", "1 while this broker member serves its shard, else 0", registry=r)
         self._failures_by_reason: dict[int, Counter] = {}
 
     def failure(self, end_reason: int) -> Counter:
@@ -53,3 +55,8 @@ class BrokerMetrics:
         self.pending_registrations.set_function(pending_registrations)
         self.pending_prefill_dones.set_function(pending_prefill_dones)
         self.live_attempts.set_function(live)
+
+    def read_shard_gauges_from(self, members: Callable[[], float], serving: Callable[[], float]) -> None:
+        """Makes the shard gauges report the membership's own state at scrape time."""
+        self.shard_members.set_function(members)
+        self.shard_serving.set_function(serving)

@@ -154,6 +154,17 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         finally:
             self._core.unsubscribe(subscription)
 
+    @rpc_method
+    async def WatchShards(self, request: rv_pb.WatchShardsRequest, context: grpc.aio.ServicerContext) -> None:
+        self._auth.identity(context)  # any authenticated caller may read the map
+        outbox = self._core.watch_shards()
+        try:
+            await drain_to_stream(outbox, context, lambda: True)
+        finally:
+            self._core.unwatch_shards(outbox)
+        # The stream ended: a member that stopped serving says so; otherwise (overflow, shutdown) the caller watches again.
+        self._core.check_serving()
+
 
 def _trace_context(item) -> otel_context.Context:
     """The request's trace context: the item's own in a batch, else the call's."""

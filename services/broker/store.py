@@ -64,6 +64,10 @@ class AttemptStore:
         record = self._transfers.get(transfer_id)
         return record.attempts.get(number) if record is not None else None
 
+    def live_attempts(self) -> list[Attempt]:
+        """Every attempt not yet ended, in arrival order of their transfers (a copy: callers may end them)."""
+        return [att for record in self._transfers.values() for att in record.attempts.values() if not att.ended]
+
     def of_engine(self, engine_id: str) -> list[Attempt]:
         """The engine's unsettled attempts, in arrival order (a copy: callers may settle them)."""
         return list(self._by_engine.get(engine_id, ()))

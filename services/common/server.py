@@ -153,15 +153,16 @@ async def serve_until_signalled(
     config: ServerConfig,
     *,
     background: Sequence[Awaitable[None]] = (),
-    before_stop: Sequence[Callable[[], None]] = (),
+    before_stop: Sequence[Callable[[], Awaitable[None] | None]] = (),
     after_stop: Sequence[Callable[[], Awaitable[None] | None]] = (),
 ) -> int:
     """Serves until SIGTERM or SIGINT, then shuts down in order.
 
-    Order: health NOT_SERVING; before_stop (cores end their subscriptions so
-    long-lived streams finish); server.stop(grace); background tasks
-    cancelled; after_stop (close cores and clients). A background task
-    that fails stops the service too (exit status 1).
+    Order: health NOT_SERVING; before_stop (a broker member leaves its
+    shard map; cores end their subscriptions so long-lived streams
+    finish); server.stop(grace); background tasks cancelled; after_stop
+    (close cores and clients). A background task that fails stops the
+    service too (exit status 1).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -183,7 +184,9 @@ async def serve_until_signalled(
     logger.info("shutting down")
     await running.health.enter_graceful_shutdown()
     for hook in before_stop:
-        hook()
+        result = hook()
+        if result is not None:
+            await result
     await running.server.stop(config.grace_s)
     stopper.cancel()
     for task in tasks:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from kvpush.engine.v1 import engine_pb2
-from kvpush.errors import FailedPrecondition, InvalidArgument, Reason
+from kvpush.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import validation
 from kvpush.services.registrar.config import RegistrarConfig
@@ -16,7 +16,7 @@ _PLANES = frozenset(engine_pb2.KvPlane.values()) - {0}
 _GROUP_KINDS = frozenset(engine_pb2.KvCacheGroupKind.values()) - {0}
 
 
-def _out_of_range(message: str, field: str) -> InvalidArgument:
+def out_of_range(message: str, field: str) -> InvalidArgument:
     return InvalidArgument(message, reason=Reason.FIELD_OUT_OF_RANGE, field=field)
 
 
@@ -30,8 +30,29 @@ def check_role_filter(role: int) -> None:
         raise InvalidArgument(f"role has unknown value {role}", reason=Reason.FIELD_INVALID, field="role")
 
 
+def check_lease_holder(holder_engine_id: str | None, caller_engine_id: str, field: str) -> None:
+    """A known lease (holder_engine_id: its engine) may be used only by the engine that holds it; an unknown one (None) is no one's."""
+    if holder_engine_id is not None and holder_engine_id != caller_engine_id:
+        raise PermissionDenied(f"{caller_engine_id!r} may not act for engine {holder_engine_id!r}", reason=Reason.ENGINE_IDENTITY_MISMATCH, field=field)
+
+
+def check_same_rank(registered: reg_pb.RegisteredRank, request: reg_pb.RegisterEngineRankRequest) -> None:
+    """A rank registered again must repeat its metadata exactly (then the registration is idempotent)."""
+    rank = request.rank
+    if registered.rank != rank or registered.nixl != request.nixl or registered.layout != request.layout:
+        raise AlreadyExists(
+            f"rank (tp {rank.tp_rank}, pp {rank.pp_rank}) of {rank.engine_id} incarnation {rank.incarnation} is already registered with different metadata",
+            reason=Reason.CONFLICTING_DUPLICATE,
+            field="rank",
+        )
+
+
 def check_same_engine(record, request: reg_pb.RegisterEngineRankRequest) -> None:
-    """A rank of an engine incarnation already registered must agree with its other ranks (record: that engine)."""
+    """A rank of an engine incarnation already registered must agree with its other ranks.
+
+    record: that engine (a directory record or a stored Engine message: both
+    have its engine_id, incarnation, role, sizes and compatibility_hash).
+    """
     rank = request.rank
     if rank.role != record.role:
         raise FailedPrecondition(
@@ -67,11 +88,11 @@ def registration_ttl(request: reg_pb.RegisterEngineRankRequest, cfg: RegistrarCo
     if rank.pp_size == 0:
         raise required("rank.pp_size must be at least 1", "rank.pp_size")
     if rank.tp_size * rank.pp_size > cfg.max_ranks_per_engine:
-        raise _out_of_range(f"an engine may have at most {cfg.max_ranks_per_engine} ranks", "rank.tp_size")
+        raise out_of_range(f"an engine may have at most {cfg.max_ranks_per_engine} ranks", "rank.tp_size")
     if rank.tp_rank >= rank.tp_size:
-        raise _out_of_range(f"rank.tp_rank {rank.tp_rank} is not below tp_size {rank.tp_size}", "rank.tp_rank")
+        raise out_of_range(f"rank.tp_rank {rank.tp_rank} is not below tp_size {rank.tp_size}", "rank.tp_rank")
     if rank.pp_rank >= rank.pp_size:
-        raise _out_of_range(f"rank.pp_rank {rank.pp_rank} is not below pp_size {rank.pp_size}", "rank.pp_rank")
+        raise out_of_range(f"rank.pp_rank {rank.pp_rank} is not below pp_size {rank.pp_size}", "rank.pp_rank")
 
     if not request.HasField("nixl"):
         raise required("nixl is required", "nixl")
@@ -80,9 +101,9 @@ def registration_ttl(request: reg_pb.RegisterEngineRankRequest, cfg: RegistrarCo
     if not nixl.agent_metadata:
         raise required("nixl.agent_metadata is required", "nixl.agent_metadata")
     if len(nixl.agent_metadata) > cfg.max_agent_metadata_bytes:
-        raise _out_of_range(f"nixl.agent_metadata exceeds {cfg.max_agent_metadata_bytes} bytes", "nixl.agent_metadata")
+        raise out_of_range(f"nixl.agent_metadata exceeds {cfg.max_agent_metadata_bytes} bytes", "nixl.agent_metadata")
     if len(nixl.backends) > cfg.max_backends:
-        raise _out_of_range(f"nixl.backends lists more than {cfg.max_backends} backends", "nixl.backends")
+        raise out_of_range(f"nixl.backends lists more than {cfg.max_backends} backends", "nixl.backends")
     for i, backend in enumerate(nixl.backends):
         validation.check_text(backend, f"nixl.backends[{i}]", cfg.max_text_length)
 
@@ -95,7 +116,7 @@ def registration_ttl(request: reg_pb.RegisterEngineRankRequest, cfg: RegistrarCo
         return cfg.default_lease_ttl_s
     requested = request.lease_ttl.seconds + request.lease_ttl.nanos * 1e-9
     if requested < 0:
-        raise _out_of_range("lease_ttl must not be negative", "lease_ttl")
+        raise out_of_range("lease_ttl must not be negative", "lease_ttl")
     if requested == 0:
         return cfg.default_lease_ttl_s
     return min(max(requested, cfg.min_lease_ttl_s), cfg.max_lease_ttl_s)
@@ -109,7 +130,7 @@ def _check_layout(layout: engine_pb2.KvLayout, cfg: RegistrarConfig) -> None:
     if layout.num_local_heads == 0:
         raise required("layout.num_local_heads must be positive", "layout.num_local_heads")
     if layout.first_head + layout.num_local_heads > layout.total_kv_heads:
-        raise _out_of_range(
+        raise out_of_range(
             f"heads [{layout.first_head}, {layout.first_head + layout.num_local_heads}) exceed total_kv_heads {layout.total_kv_heads}",
             "layout.first_head",
         )
@@ -120,7 +141,7 @@ def _check_layout(layout: engine_pb2.KvLayout, cfg: RegistrarConfig) -> None:
     if not layout.groups:
         raise required("layout.groups needs at least one group", "layout.groups")
     if len(layout.groups) > cfg.max_groups:
-        raise _out_of_range(f"layout.groups lists more than {cfg.max_groups} groups", "layout.groups")
+        raise out_of_range(f"layout.groups lists more than {cfg.max_groups} groups", "layout.groups")
     group_indexes: set[int] = set()
     for i, group in enumerate(layout.groups):
         where = f"layout.groups[{i}]"
@@ -136,13 +157,13 @@ def _check_layout(layout: engine_pb2.KvLayout, cfg: RegistrarConfig) -> None:
     if not layout.regions:
         raise required("layout.regions needs at least one region", "layout.regions")
     if len(layout.regions) > cfg.max_regions:
-        raise _out_of_range(f"layout.regions lists more than {cfg.max_regions} regions", "layout.regions")
+        raise out_of_range(f"layout.regions lists more than {cfg.max_regions} regions", "layout.regions")
     seen: set[tuple[int, int]] = set()
     for i, region in enumerate(layout.regions):
         where = f"layout.regions[{i}]"
         validation.check_text(region.layer_name, f"{where}.layer_name", cfg.max_text_length)
         if region.layer_index >= layout.num_layers:
-            raise _out_of_range(f"layer_index {region.layer_index} is not below num_layers {layout.num_layers}", f"{where}.layer_index")
+            raise out_of_range(f"layer_index {region.layer_index} is not below num_layers {layout.num_layers}", f"{where}.layer_index")
         if region.group_index not in group_indexes:
             raise InvalidArgument(f"group_index {region.group_index} names no group", reason=Reason.FIELD_INVALID, field=f"{where}.group_index")
         validation.check_enum(region.plane, _PLANES, f"{where}.plane")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Registrar settings: lease bounds, watch queues, caps on engines and watches, and request size limits."""
+"""Registrar settings: lease bounds, watch queues, caps on engines and watches, request size limits (the etcd it may run on: kvpush.etcd.settings)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ class RegistrarConfig(Settings):
         at_least=1,
         help="engine events a watcher may fall behind by before its watch is closed",
     )
+    watch_history: int = setting(
+        1000,
+        flag="--watch-history",
+        env="KVPUSH_WATCH_HISTORY",
+        convert=int,
+        at_least=1,
+        help="latest engine changes kept so a watch can resume from a revision instead of a fresh snapshot",
+    )
     max_engines: int = setting(
         4096, flag="--max-engines", env="KVPUSH_MAX_ENGINES", convert=int, at_least=1, help="engines registered at once; a new one past it is refused"
     )
@@ -51,3 +59,4 @@ class RegistrarConfig(Settings):
         super().__post_init__()
         if not 0 < self.min_lease_ttl_s <= self.default_lease_ttl_s <= self.max_lease_ttl_s:
             raise ValueError("lease TTLs must satisfy 0 < min <= default <= max")
+

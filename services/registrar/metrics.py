@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from kvpush.services.registrar.core import RegistrarCore
+from kvpush.services.registrar.directory import Directory
 
 
-def register_registrar_metrics(registry: CollectorRegistry, core: RegistrarCore) -> None:
+def register_registrar_metrics(registry: CollectorRegistry, core: Directory) -> None:
     """Adds gauges for the core's engines, leased ranks and watches to registry."""
     Gauge("kvpush_registrar_engines", "Engine incarnations with at least one registered rank", registry=registry).set_function(lambda: core.engine_count)
     Gauge("kvpush_registrar_leased_ranks", "Registered engine ranks holding a lease", registry=registry).set_function(lambda: core.lease_count)

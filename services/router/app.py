@@ -19,7 +19,7 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvpush.client import BrokerClient, ClientConfig
+from kvpush.client import ClientConfig, ShardedBrokerClient
 from kvpush.services.router.attempts import dispatch
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import (
@@ -35,6 +35,7 @@ from kvpush.services.router.core import (
 from kvpush.services.router.failures import error_response
 from kvpush.services.router.legs import DECODE, PREFILL, RequestContext
 from kvpush.services.router.metrics import RouterMetrics
+from kvpush.services.router.shard_watch import ShardWatch
 from kvpush.telemetry import ATTR_CLIENT_REQUEST_ID, ATTR_TRANSFER_ID, extract_context
 
 TRACER_NAME = "kvpush.router"
@@ -55,7 +56,8 @@ class Router:
         self._tracer_provider = tracer_provider
         self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
         self.session: aiohttp.ClientSession | None = None
-        self.broker: BrokerClient | None = None
+        self.broker: ShardedBrokerClient | None = None
+        self.shards: ShardWatch | None = None  # push mode: which attempts' broker members are gone
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -71,11 +73,15 @@ class Router:
                 client_key_path=self.config.tls_key,
                 default_timeout_s=self.config.cancel_timeout_s,
             )
-            self.broker = BrokerClient(client_config, tracer_provider=self._tracer_provider)
+            self.broker = ShardedBrokerClient(client_config, tracer_provider=self._tracer_provider)
+            self.shards = ShardWatch(self.broker.shard_map)
+            self.broker.shard_map.start()
 
     async def close(self, _app: web.Application | None = None) -> None:
         if self.session is not None:
             await self.session.close()
+        if self.shards is not None:
+            self.shards.close()
         if self.broker is not None:
             await self.broker.close()
 

@@ -30,6 +30,7 @@ from kvpush.services.router.broker_view import (
     cancel_transfer,
     explain_decode_failure,
     explain_overdue,
+    shard_failure,
     transfer_failure,
     watch_attempt,
 )
@@ -97,7 +98,8 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
             logger.warning("request %s attempt %d: %s", ctx.client_request_id, attempt, exc)
             if not exc.retryable:
                 break
-            (failed_prefill if exc.leg == PREFILL else failed_decode).add(exc.endpoint)
+            if exc.blames_engine:
+                (failed_prefill if exc.leg == PREFILL else failed_decode).add(exc.endpoint)
             continue
         return await respond(router, request, ctx, opened)
     if failure is not None:
@@ -136,6 +138,9 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
     p_span = leg_span(router, ctx, PREFILL, p_endpoint, attempt)
     d_span = leg_span(router, ctx, DECODE, d_endpoint, attempt)
     if config.mode == "push":
+        ctx.broker_owner = router.shards.owner(ctx.transfer_id)
+        if ctx.broker_owner.member_id:
+            ctx.span.set_attribute("kvpush.broker_member_id", ctx.broker_owner.member_id)
         common = {"client_request_id": ctx.client_request_id, "timeout_ms": config.transfer_timeout_ms}
         p_params = kvpush_params(PREFILL, ctx.transfer_id, attempt, d_endpoint.engine_id, traceparent=ctx.trace_carrier(p_span).get("traceparent", ""), **common)
         d_params = kvpush_params(DECODE, ctx.transfer_id, attempt, p_endpoint.engine_id, traceparent=ctx.trace_carrier(d_span).get("traceparent", ""), **common)
@@ -211,7 +216,10 @@ async def _first_output_push(
       chunk follows P's answer within a WRITE and one decode step. A
       non-streamed request's output is its whole answer, so a long one
       does make this one call (answered as soon as the attempt is DONE);
-    * a client that disconnects ends the attempt (ClientGone).
+    * a client that disconnects ends the attempt (ClientGone);
+    * the broker member holding the attempt leaving the shard map (or no
+      longer owning the transfer) ends it at once: BROKER_SHARD_LOST (or
+      _MOVED), retried on any engines.
     """
     loop = asyncio.get_running_loop()
     config = router.config
@@ -223,12 +231,15 @@ async def _first_output_push(
     poll: asyncio.Task | None = None
     kv_arrived = False  # the broker said DONE: nothing left to ask it
     client_watch = asyncio.create_task(_watch_client(ctx))
-    pending: set[asyncio.Task] = {p_task, d_task, client_watch}
+    shard_lost = router.shards.watch(ctx.transfer_id, ctx.broker_owner)
+    pending: set[asyncio.Future] = {p_task, d_task, client_watch, shard_lost}
     try:
         while not d_task.done():
             now = loop.time()
             if client_watch.done():
                 raise ClientGone()
+            if shard_lost.done() and not shard_lost.cancelled():
+                raise shard_failure(router, ctx, attempt, d_endpoint, shard_lost.result(), "the decode leg had no output yet")
             if now >= deadline:
                 if not p_task.done():
                     raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s while the decode leg waited for the KV", status=504)
@@ -240,6 +251,7 @@ async def _first_output_push(
                 if failure is not None:
                     raise failure
                 kv_arrived = True  # only the leg timeouts bound the decode leg now
+                _forget(router, shard_lost, pending)
                 continue
             if poll is None and not kv_arrived and now >= poll_at:
                 poll = asyncio.create_task(watch_attempt(router, ctx.transfer_id, attempt, until=guard_at))
@@ -258,7 +270,9 @@ async def _first_output_push(
                         raise transfer_failure(verdict, p_endpoint, d_endpoint, "the decode leg had no output yet")
                     # DONE: the KV arrived; only the leg timeouts bound the decode leg now.
                     guard_at, kv_arrived = float("inf"), True
+                    _forget(router, shard_lost, pending)
     finally:
+        router.shards.unwatch(shard_lost)
         helpers = [task for task in (poll, client_watch) if task is not None and not task.done()]
         for task in helpers:
             task.cancel()
@@ -272,6 +286,12 @@ async def _first_output_push(
         if explained is exc:
             raise
         raise explained from exc
+
+
+def _forget(router: Router, shard_lost: asyncio.Future, pending: set[asyncio.Future]) -> None:
+    """The KV arrived: the attempt's broker member no longer matters to it."""
+    router.shards.unwatch(shard_lost)
+    pending.discard(shard_lost)
 
 
 async def _watch_client(ctx: RequestContext) -> None:

@@ -17,8 +17,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvpush import errors
+from kvpush.client import UNSHARDED
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.router.core import (
+    BROKER_SIDE,
     CONTROL_PLANE_UNREACHABLE,
     ROUTER_DEADLINE_EXCEEDED,
     AttemptRecord,
@@ -29,6 +31,7 @@ from kvpush.services.router.core import (
 )
 from kvpush.services.router.failures import LegFailure, TransferFailure
 from kvpush.services.router.legs import DECODE, PREFILL, RequestContext
+from kvpush.services.router.shard_watch import BROKER_SHARD_MOVED
 
 if TYPE_CHECKING:
     from kvpush.services.router.app import Router
@@ -77,18 +80,55 @@ def transfer_failure(verdict: Verdict, p_endpoint: Endpoint, d_endpoint: Endpoin
     return TransferFailure(verdict, DECODE, d_endpoint, seen)
 
 
+def shard_failure(router: Router, ctx: RequestContext, attempt: int, d_endpoint: Endpoint, reason: str, seen: str = "") -> TransferFailure:
+    """The attempt's broker member stopped serving it (shard_watch's reason): 503, retried as a new attempt on any engines."""
+    owner = ctx.broker_owner
+    if reason == BROKER_SHARD_MOVED:
+        why = f"no longer owns it ({router.shards.owner(ctx.transfer_id).member_id} does)"
+    else:
+        why = "left the broker's shard map"
+    message = f"transfer {ctx.transfer_id} attempt {attempt}: broker member {owner.member_id} ({owner.address}) {why}"
+    return TransferFailure(Verdict(503, reason, message, BROKER_SIDE), DECODE, d_endpoint, seen)
+
+
+def _unreachable(error: errors.KvpushError) -> bool:
+    """Whether a failed call says nothing of the attempt: the member was not reached, or could not answer."""
+    return isinstance(error, (errors.Unavailable, errors.DeadlineExceeded)) or error.code == "CANCELLED"
+
+
+async def _shard_lost(router: Router, ctx: RequestContext, attempt: int, d_endpoint: Endpoint, error: errors.KvpushError, seen: str) -> TransferFailure | None:
+    """shard_failure when the broker failed to answer (or did not know the attempt) because the attempt's member is gone, else None.
+
+    A member that cannot be reached may be dead with its lease not lapsed
+    yet: the shard map gets shard_loss_wait_s to drop it.
+    """
+    if ctx.broker_owner.member_id == UNSHARDED:
+        return None
+    lost = router.shards.watch(ctx.transfer_id, ctx.broker_owner)
+    try:
+        if not lost.done() and _unreachable(error):
+            await asyncio.wait([lost], timeout=router.config.shard_loss_wait_s)
+        reason = lost.result() if lost.done() else ""
+    finally:
+        router.shards.unwatch(lost)
+    return shard_failure(router, ctx, attempt, d_endpoint, reason, seen) if reason else None
+
+
 async def explain_decode_failure(router: Router, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, failure: LegFailure) -> LegFailure:
     """What to answer for a decode leg that failed (5xx, an error event, no output): the broker's reason, else the leg's own failure."""
     try:
         record = await _lookup(router, ctx.transfer_id, attempt)
-    except errors.NotFound:
+    except errors.KvpushError as exc:
+        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure))
+        if lost is not None:
+            return lost
+        if not isinstance(exc, errors.NotFound):
+            # Not an engine's fault that another engine would fix: no retry.
+            message = f"{failure}; the kvpush control plane could not say why: {exc}"
+            return TransferFailure(Verdict(503, CONTROL_PLANE_UNREACHABLE, message, None), DECODE, d_endpoint)
         # The decode engine failed the request before registering it (its log says why).
         failure.args = (f"{failure}; the broker has no record of transfer {ctx.transfer_id} attempt {attempt}",)
         return failure
-    except errors.KvpushError as exc:
-        # Not an engine's fault that another engine would fix: no retry.
-        message = f"{failure}; the kvpush control plane could not say why: {exc}"
-        return TransferFailure(Verdict(503, CONTROL_PLANE_UNREACHABLE, message, None), DECODE, d_endpoint)
     verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
     if verdict is None:
         failure.args = (f"{failure}; transfer {ctx.transfer_id} attempt {attempt}: {record.describe()}",)
@@ -100,8 +140,8 @@ async def explain_overdue(router: Router, ctx: RequestContext, attempt: int, p_e
     """A leg timeout: the broker's reason when the attempt ended without the KV, else the timeout itself."""
     try:
         record = await _lookup(router, ctx.transfer_id, attempt)
-    except errors.KvpushError:
-        return failure
+    except errors.KvpushError as exc:
+        return await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure)) or failure
     verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
     return failure if verdict is None else transfer_failure(verdict, p_endpoint, d_endpoint, str(failure))
 
@@ -114,10 +154,14 @@ async def at_transfer_deadline(
     record: AttemptRecord | None = None
     try:
         record = await _lookup(router, ctx.transfer_id, attempt)
-    except errors.NotFound:
-        known = "the broker never heard of the attempt"
     except errors.KvpushError as exc:
-        known = f"the kvpush control plane could not say why: {exc}"
+        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, "no decode output by the transfer deadline")
+        if lost is not None:
+            return lost
+        if isinstance(exc, errors.NotFound):
+            known = "the broker never heard of the attempt"
+        else:
+            known = f"the kvpush control plane could not say why: {exc}"
     else:
         if record.state == "DONE":
             return None

@@ -233,6 +233,10 @@ _END_REASON_STATUS = {
     # Only a newer attempt supersedes one, and this router makes none while
     # it still waits on the old one: another router used the same transfer id.
     "SUPERSEDED": 409,
+    # The broker member that held the attempt died, lost its membership or
+    # no longer owns the transfer: a new attempt goes to the new owner.
+    "BROKER_SHARD_LOST": 503,
+    "BROKER_SHARD_MOVED": 503,
 }
 
 
@@ -241,8 +245,13 @@ def end_reason_status(reason: str) -> int:
     return _END_REASON_STATUS.get(reason.removeprefix("END_REASON_"), 502)
 
 
+# A retry_side that blames no engine: the fault was a broker shard's, so a
+# new attempt may go to the same engines (its transfer's new owner serves it).
+BROKER_SIDE = "broker"
 # Which side's engine an EndReason blames: a retry goes to another engine of that side.
 _BLAMED_SIDE = {
+    "BROKER_SHARD_LOST": BROKER_SIDE,
+    "BROKER_SHARD_MOVED": BROKER_SIDE,
     "PREFILL_ENGINE_LOST": "prefill",
     "CANCELLED_BY_PREFILL": "prefill",
     "WRITE_FAILED": "prefill",  # the producer rank posts the WRITE and reported it failed
@@ -307,7 +316,7 @@ class AttemptRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Verdict:
-    """What the client is told about a failed attempt, and whose engine a retry avoids (None: no retry)."""
+    """What the client is told about a failed attempt, and whose engine a retry avoids (None: no retry; BROKER_SIDE: none)."""
 
     status: int
     reason: str

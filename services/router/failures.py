@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.services.router.core import ENGINE_REJECTED, LEG_FAILED, LEG_TIMEOUT, TRANSFER_CONFLICT, Endpoint, Verdict
+from kvpush.services.router.core import BROKER_SIDE, ENGINE_REJECTED, LEG_FAILED, LEG_TIMEOUT, TRANSFER_CONFLICT, Endpoint, Verdict
 
 ERROR_TYPES = {400: "BadRequestError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
@@ -39,6 +39,8 @@ class LegFailure(Exception):
 
     # cancel_attempt: whether the attempt is ours to cancel at the broker.
     cancel_attempt = True
+    # blames_engine: a retry avoids this leg's engine (false when the fault was a broker shard's).
+    blames_engine = True
 
     def __init__(
         self, leg: str, endpoint: Endpoint, cause: str, message: str, *, status: int = 502, retryable: bool = True, engine_body: bytes | None = None
@@ -83,6 +85,7 @@ class TransferFailure(LegFailure):
         self.verdict = verdict
         # A record that is another request's is never ours to cancel.
         self.cancel_attempt = verdict.reason != TRANSFER_CONFLICT
+        self.blames_engine = verdict.retry_side != BROKER_SIDE
 
     @property
     def reason(self) -> str:

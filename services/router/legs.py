@@ -17,6 +17,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from kvpush.services.router.core import Endpoint
 from kvpush.services.router.failures import LegFailure, failure_from_exception, status_failure
+from kvpush.services.router.shard_watch import Owner
 from kvpush.sse import DONE, SseDecoder
 from kvpush.telemetry import ATTR_ATTEMPT, ATTR_CLIENT_REQUEST_ID, ATTR_TRANSFER_ID, inject_traceparent
 
@@ -52,6 +53,7 @@ class RequestContext:
     client: web.BaseRequest | None = None  # the client's request, to notice its disconnecting
     failure_reason: str = ""  # why the request failed (core.FAILURE_REASONS), "" if it did not
     prefill_answered: float = 0.0  # time.monotonic() when the current attempt's prefill leg answered (0: not yet)
+    broker_owner: Owner = Owner()  # push mode: the broker member that holds the current attempt
 
     def client_gone(self) -> bool:
         """Whether the client's connection closed (aiohttp drops the request's transport then)."""

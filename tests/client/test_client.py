@@ -126,6 +126,12 @@ def test_one_attempt_configures_no_retries():
     assert policy["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
 
 
+def test_only_a_channel_with_connections_of_its_own_leaves_the_shared_subchannel_pool():
+    """The default (every unsharded client) shares connections to an address as before; a broker member's channel does not."""
+    assert "grpc.use_local_subchannel_pool" not in dict(ClientConfig().channel_options())
+    assert dict(ClientConfig(own_connections=True).channel_options())["grpc.use_local_subchannel_pool"] == 1
+
+
 async def test_retries_stop_at_max_attempts(fake):
     behaviour, target = fake
     behaviour.unavailable_failures = {"ListEngines": 100}

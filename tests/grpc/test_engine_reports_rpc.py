@@ -139,6 +139,23 @@ async def test_the_connectors_report_stream_sends_batches_and_hands_each_answer_
             loop.stop()
 
 
+async def test_a_stream_whose_items_were_all_answered_stays_open_while_quiet(caplog):
+    """Quiet for longer than the timeout after its answers came, the stream is not taken for stalled: no reopening, no warning."""
+    async with plane_with_engines() as (port, _, _):
+        stream, loop, broker = report_stream(f"127.0.0.1:{port}", "decode-0", timeout_s=0.5)
+        try:
+            first, second = Answers(1), Answers(1)
+            stream.send(Report("registrations", sample.destination_request("t1"), first))
+            assert await asyncio.to_thread(first.done.wait, WAIT_S) and first.items[0][1] is None
+            await asyncio.sleep(1.5)  # three timeouts with nothing in flight
+            stream.send(Report("registrations", sample.destination_request("t2"), second))
+            assert await asyncio.to_thread(second.done.wait, WAIT_S) and second.items[0][1] is None
+            assert [r.getMessage() for r in caplog.records if r.name == "kvpush.connector.report_stream"] == []
+        finally:
+            loop.call(broker.close(0.1), timeout_s=2.0)
+            loop.stop()
+
+
 async def test_an_item_with_no_answer_within_the_timeout_is_answered_deadline_exceeded():
     """Nothing listens: the stream cannot open, and the item ends as a unary call's deadline would end it."""
     with socket.socket() as closed:
@@ -150,6 +167,24 @@ async def test_an_item_with_no_answer_within_the_timeout_is_answered_deadline_ex
             assert await asyncio.to_thread(answers.done.wait, WAIT_S)
             ((answer, error),) = answers.items
             assert answer is None and isinstance(error, errors.DeadlineExceeded)
+        finally:
+            loop.call(broker.close(0.1), timeout_s=2.0)
+            loop.stop()
+
+
+async def test_an_item_moved_from_another_members_stream_is_answered_at_its_own_expiry():
+    """Queued behind items that expire later (it kept its expiry when it moved), it still gets DeadlineExceeded at its own."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        stream, loop, broker = report_stream(f"127.0.0.1:{closed.getsockname()[1]}", "decode-0", timeout_s=5.0)
+        try:
+            later, moved = Answers(1), Answers(1)
+            stream.send(Report("registrations", sample.destination_request("t1"), later))
+            await asyncio.sleep(0.1)
+            item = Report("registrations", sample.destination_request("t2"), moved, expires=loop.loop.time() + 0.3)
+            loop.loop.call_soon_threadsafe(stream.put, [item])
+            assert await asyncio.to_thread(moved.done.wait, 2.0)
+            assert isinstance(moved.items[0][1], errors.DeadlineExceeded) and not later.done.is_set()
         finally:
             loop.call(broker.close(0.1), timeout_s=2.0)
             loop.stop()

@@ -14,7 +14,7 @@ from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.broker.remote_directory import RESYNC_REASON, RemoteEngineDirectory
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
-from kvpush.services.registrar.core import RemovalReason
+from kvpush.services.registrar.directory import RemovalReason
 
 
 async def until(condition, timeout: float = WAIT_S) -> None:

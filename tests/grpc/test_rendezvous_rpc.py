@@ -372,3 +372,11 @@ async def test_get_transfer_refuses_a_wait_longer_than_the_broker_honours(engine
     prefill, decode = engines
     await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)
     await expect_rpc_error(get_transfer(decode, "t1", 1, wait_s=601.0), grpc.StatusCode.INVALID_ARGUMENT, Reason.FIELD_OUT_OF_RANGE, "wait")
+
+
+async def test_an_unsharded_broker_maps_one_shard_at_the_address_called_and_keeps_the_stream_open(channel):
+    call = rv_grpc.RendezvousServiceStub(channel).WatchShards(rv_pb.WatchShardsRequest(), metadata=bearer("decode-0"), timeout=T)
+    assert await read(call) == rv_pb.WatchShardsResponse(shards=[rv_pb.BrokerShard(member_id="", address="")], revision=0)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(call.read(), 0.3)  # nothing more: the map never changes
+    call.cancel()

@@ -7,15 +7,12 @@ import asyncio
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rpc_harness import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 
 from kvpush.errors import Reason
@@ -24,57 +21,10 @@ from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.tokens import create_tokens
+from tests.kvpush_process import KvpushProcess, wait_serving
 
 START_TIMEOUT_S = 20.0
-STOP_TIMEOUT_S = 10.0
 T = CALL_TIMEOUT_S
-
-
-class ServiceProcess:
-    """`python -m kvpush.cli <command> ...` on 127.0.0.1 port 0, its port read from --port-file."""
-
-    def __init__(self, tmp_path: pathlib.Path, command: str, *args: str):
-        self.port_file = tmp_path / f"{command}.port"
-        self.log = (tmp_path / f"{command}.log").open("w")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVPUSH_"))}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvpush.cli", command, "--listen", "127.0.0.1:0", "--port-file", str(self.port_file), *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.log_path = tmp_path / f"{command}.log"
-
-    async def port(self) -> int:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not self.port_file.exists():
-            assert self.process.poll() is None, f"exited early:\n{self.log_path.read_text()}"
-            assert time.monotonic() < deadline, f"no port within {START_TIMEOUT_S}s:\n{self.log_path.read_text()}"
-            await asyncio.sleep(0.05)
-        return int(self.port_file.read_text())
-
-    def stop(self) -> int:
-        """SIGTERM by PID; returns the exit status (killed if it ignores the signal)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-        self.log.close()
-        return self.process.returncode
-
-
-async def wait_serving(channel: grpc.aio.Channel, service: str) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=T)
-        if response.status == health_pb2.HealthCheckResponse.SERVING:
-            return
-        assert time.monotonic() < deadline, f"{service} not SERVING within {START_TIMEOUT_S}s"
-        await asyncio.sleep(0.05)
 
 
 def kvpush(*args: str) -> subprocess.CompletedProcess:
@@ -99,9 +49,9 @@ async def test_kvpush_tokens_then_a_control_plane_serving_those_identities_and_s
     assert not any(
         token in created.stdout + created.stderr + kept.stdout + kept.stderr for token in tokens.values()
     )  # nothing secret printed
-    service = ServiceProcess(tmp_path, "control-plane", "--tokens-dir", str(tokens_dir), "--metrics-port", "0")
+    service = KvpushProcess(tmp_path, "control-plane", "control-plane", "--tokens-dir", str(tokens_dir), "--metrics-port", "0")
     try:
-        port = await service.port()
+        port = (await service.start()).port
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             await wait_serving(channel, "kvpush.rendezvous.v1.RendezvousService")
             registrar = reg_grpc.RegistrarServiceStub(channel)
@@ -120,7 +70,7 @@ async def test_kvpush_tokens_then_a_control_plane_serving_those_identities_and_s
         metrics = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=T).read().decode())
         assert "kvpush_broker_rendezvous_total 0.0" in metrics and "kvpush_registrar_engines 1.0" in metrics
     finally:
-        assert service.stop() == 0
+        assert await service.stop() == 0
     log = service.log_path.read_text()
     assert f"listening on 127.0.0.1:{port}" in log and "metrics on http://127.0.0.1:" in log and "stopped" in log
 
@@ -130,12 +80,12 @@ async def test_separate_registrar_and_broker(tmp_path):
     create_tokens(tokens_dir, ["router", "broker", "prefill-0", "decode-0"])
     token = {path.name: path.read_text().strip() for path in tokens_dir.iterdir()}
     shared = ("--tokens-dir", str(tokens_dir))
-    registrar = ServiceProcess(tmp_path, "registrar", *shared, "--lease-ttl", "30")
+    registrar = KvpushProcess(tmp_path, "registrar", "registrar", *shared, "--lease-ttl", "30")
     broker = None
     try:
-        registrar_port = await registrar.port()
-        broker = ServiceProcess(tmp_path, "broker", *shared, "--registrar", f"127.0.0.1:{registrar_port}")
-        broker_port = await broker.port()
+        registrar_port = (await registrar.start()).port
+        broker = KvpushProcess(tmp_path, "broker", "broker", *shared, "--registrar", f"127.0.0.1:{registrar_port}")
+        broker_port = (await broker.start()).port
         async with (
             grpc.aio.insecure_channel(f"127.0.0.1:{registrar_port}") as registrar_channel,
             grpc.aio.insecure_channel(f"127.0.0.1:{broker_port}") as broker_channel,
@@ -180,7 +130,7 @@ async def test_separate_registrar_and_broker(tmp_path):
             orders.cancel()
             events.cancel()
     finally:
-        statuses = [service.stop() for service in (broker, registrar) if service is not None]
+        statuses = [await service.stop() for service in (broker, registrar) if service is not None]
     assert statuses == [0, 0]
 
 

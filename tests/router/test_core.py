@@ -12,6 +12,7 @@ from kvpush.connector.params import parse
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.router.config import RouterConfig, parse_endpoint
 from kvpush.services.router.core import (
+    BROKER_SIDE,
     CHAT_COMPLETIONS_PATH,
     COMPLETIONS_PATH,
     END_REASONS,
@@ -148,6 +149,8 @@ def test_a_request_id_kvpush_cannot_carry_is_refused():
         ("CANCELLED_BY_ROUTER", 502),
         ("CANCELLED_BY_PREFILL", 502),
         ("CANCELLED_BY_DECODE", 502),
+        ("BROKER_SHARD_LOST", 503),
+        ("BROKER_SHARD_MOVED", 503),
         ("END_REASON_PREFILL_ENGINE_LOST", 503),  # the prefix is optional
         ("A_REASON_FROM_A_NEWER_BROKER", 502),
     ],
@@ -203,6 +206,9 @@ def test_a_live_or_done_attempt_gives_no_reason():
         (tr_pb.TRANSFER_STATE_CANCELLED, tr_pb.END_REASON_CANCELLED_BY_ROUTER, 502, None),
         (tr_pb.TRANSFER_STATE_CANCELLED, tr_pb.END_REASON_CANCELLED_BY_DECODE, 502, "decode"),
         (tr_pb.TRANSFER_STATE_SUPERSEDED, tr_pb.END_REASON_SUPERSEDED, 409, None),
+        # A broker shard's fault: retried, avoiding no engine.
+        (tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_BROKER_SHARD_LOST, 503, BROKER_SIDE),
+        (tr_pb.TRANSFER_STATE_FAILED, tr_pb.END_REASON_BROKER_SHARD_MOVED, 503, BROKER_SIDE),
     ],
 )
 def test_an_ended_attempt_gives_its_reason_status_and_retry(state, reason, status, retry_side):

@@ -34,11 +34,12 @@ class Harness:
         tracer_provider=None,
         subscribe: bool = True,
         past_grace: bool = True,
+        membership=None,
     ):
         self.clock = ManualClock()
         self.registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=30.0), self.clock)
         self.config = config or BrokerConfig(retention_s=60.0)
-        self.broker = BrokerCore(self.registrar, self.config, self.clock, tracer_provider=tracer_provider)
+        self.broker = BrokerCore(self.registrar, self.config, self.clock, tracer_provider=tracer_provider, membership=membership)
         if past_grace:
             # A new broker fences nothing during its startup grace (a predecessor's orders may live);
             # most tests are about a broker that has been up for a while.

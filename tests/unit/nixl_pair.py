@@ -12,18 +12,19 @@ same cores inside their transfer threads (Producer, Consumer).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from kvpush.connector.consumer import ConsumerCore
+from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.nixl_agent import KvAgent, PostedWrite
-from kvpush.connector.producer import ProducerCore
+from kvpush.connector.producer import Producer, ProducerCore
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout, build_write_plans
 from kvpush.engine.v1 import engine_pb2
@@ -32,7 +33,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import validation
-from kvpush.services.common.clock import ManualClock, timestamp
+from kvpush.services.common.clock import ManualClock, SystemClock, timestamp
 
 LAYERS, HEADS, HEAD_SIZE, NUM_BLOCKS = 2, 2, 16, 12
 P_BLOCK, D_BLOCK = 32, 64
@@ -223,6 +224,21 @@ class Pair:
         sent = cells(self.p_layout, list(p_blocks), self.p_block, 0, tokens)
         np.testing.assert_array_equal(cells(self.d_layout, list(d_blocks), self.d_block, first_token, tokens), sent)
         assert np.any(sent != 0)
+
+
+@contextlib.contextmanager
+def transfer_threads() -> Iterator[tuple[Pair, Producer, Consumer]]:
+    """A Pair on the system clock with a Producer and a Consumer thread over it (POLL, IDLE), the producer knowing the pair's engine; stopped on the way out."""
+    pair = Pair(clock=SystemClock())
+    producer = Producer(pair.producer, POLL, IDLE)
+    consumer = Consumer(pair.consumer, POLL, IDLE)
+    producer.on_engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))
+    try:
+        yield pair, producer, consumer
+    finally:
+        producer.stop()
+        consumer.stop()
+        pair.close()
 
 
 def order_body(transfer_id: str, attempt: int = 1, *, blocks=(5, 1), first_token: int = 0, num_tokens: int = 110, budget_s: float = BUDGET_S,

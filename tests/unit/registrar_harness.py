@@ -10,6 +10,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 
 UPSERTED = reg_pb.ENGINE_EVENT_TYPE_UPSERTED
 REMOVED = reg_pb.ENGINE_EVENT_TYPE_REMOVED
+SNAPSHOT_END = reg_pb.ENGINE_EVENT_TYPE_SNAPSHOT_END
 
 
 def expect(error_type: type[errors.KvpushError], reason: str, field: str, call, *args):

@@ -96,6 +96,7 @@ def test_every_table_shrinks_back_once_everything_settled_and_aged_out():
         "producer_mailboxes": 2,
         "decode_mailboxes": 1,
         "engine_infos": 2,
+        "shard_watches": 0,
     }
     h.register("done")  # completed
     h.prefill_done("done")

@@ -22,6 +22,9 @@ def test_valid_config(tmp_path):
     config = ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, backends=["UCX", "LIBFABRIC"], idle_wait_ms=2, early_orders=False))
     assert (config.role, config.engine_id, config.token) == ("decode", "decode-0", "secret")
     assert config.backends == ("UCX", "LIBFABRIC") and config.idle_wait_ms == 2.0 and config.early_orders is False
+    assert config.broker == ""  # the broker is at control_plane
+    apart = ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, broker="ipv4:127.0.0.1:7001,127.0.0.1:7002"))
+    assert apart.broker == "ipv4:127.0.0.1:7001,127.0.0.1:7002"
 
 
 @pytest.mark.parametrize(
@@ -30,6 +33,7 @@ def test_valid_config(tmp_path):
         ({"role": "kv_both"}, "kv_role must be kv_producer"),
         ({"engine_id": "bad id!"}, "engine_id 'bad id!'"),
         ({"control_plane": "nohost"}, "control_plane"),
+        ({"broker": "nohost"}, "broker"),
         ({"backends": "UCX"}, "backends='UCX': expected a non-empty list"),
         ({"idle_wait_ms": -1}, "idle_wait_ms=-1: expected a positive number"),
         ({"early_orders": "yes"}, "early_orders='yes': expected true or false"),

@@ -119,6 +119,62 @@ def test_unposted_orders_are_dropped_when_their_stream_goes(pair: Pair, how: str
     assert pair.answers() == [("t1", WRITTEN, 0)]
 
 
+# ----- one order stream per broker member (a sharded broker) -----
+
+
+def test_a_members_lost_stream_drops_only_its_own_orders(pair: Pair):
+    """Member "" holds STREAM (the fixture's), member b a second one: losing b's voids b's orders, not the others'."""
+    pair.producer.stream_opened(STREAM + 1, "b")
+    pair.send("order", "t1", blocks=(5,), num_tokens=20)
+    pair.send("order", "t2", stream=STREAM + 1, blocks=(1,), num_tokens=20)
+    pair.producer.stream_lost(STREAM + 1)
+    pair.source("t1", req_id="p1", blocks=(7,), num_tokens=20)
+    pair.source("t2", req_id="p2", blocks=(2,), num_tokens=20)
+    pair.pump(lambda: pair.reports)
+    pair.settle()
+    assert pair.answers() == [("t1", WRITTEN, 0)] and pair.d_block_is_zero(1)
+    pair.producer.stream_opened(STREAM + 2, "b")  # b's next stream resends what it still wants
+    pair.send("order", "t2", stream=STREAM + 2, blocks=(1,), num_tokens=20)
+    pair.pump(lambda: pair.reports)
+    assert pair.answers() == [("t2", WRITTEN, 0)]
+
+
+def test_an_answer_goes_to_the_member_whose_order_or_revocation_it_answers(pair: Pair):
+    pair.producer.stream_opened(STREAM + 1, "b")
+    pair.send("order", "t1", stream=STREAM + 1, blocks=(5,), num_tokens=20)
+    pair.send("revocation", "t2")
+    assert pair.producer.answer_member(("t1", 1)) == "b" and pair.producer.answer_member(("t2", 1)) == ""
+    assert pair.producer.answer_member(("t3", 1)) is None
+
+
+def test_a_members_new_stream_replaces_only_that_members_old_one(pair: Pair):
+    pair.producer.stream_opened(STREAM + 1, "b")
+    pair.send("order", "t1", blocks=(5,), num_tokens=20)
+    pair.send("order", "t2", stream=STREAM + 1, blocks=(1,), num_tokens=20)
+    pair.producer.stream_opened(STREAM + 2, "b")
+    pair.send("order", "t2", stream=STREAM + 1, blocks=(1,), num_tokens=20)  # the replaced stream's late message
+    pair.source("t1", req_id="p1", blocks=(7,), num_tokens=20)
+    pair.source("t2", req_id="p2", blocks=(2,), num_tokens=20)
+    pair.pump(lambda: pair.reports)
+    pair.settle()
+    assert pair.answers() == [("t1", WRITTEN, 0)]
+
+
+def test_each_members_stream_lease_runs_out_on_its_own(pair: Pair):
+    pair.producer.stream_opened(STREAM + 1, "b")
+    pair.send("order", "t1", blocks=(5,), num_tokens=20, lease_s=LEASE_S)
+    pair.send("order", "t2", stream=STREAM + 1, blocks=(1,), num_tokens=20, lease_s=LEASE_S)
+    pair.clock.advance(LEASE_S - 0.5)
+    pair.send("heartbeat", "")  # renews member ""'s stream only
+    pair.clock.advance(0.5)
+    pair.step()
+    pair.source("t1", req_id="p1", blocks=(7,), num_tokens=20)
+    pair.source("t2", req_id="p2", blocks=(2,), num_tokens=20)
+    pair.pump(lambda: pair.reports)
+    pair.settle()
+    assert pair.answers() == [("t1", WRITTEN, 0)] and pair.d_block_is_zero(1)
+
+
 def test_unposted_orders_are_dropped_once_the_stream_lease_runs_out(pair: Pair):
     pair.send("order", "t1", lease_s=LEASE_S)
     pair.clock.advance(LEASE_S - 0.25)

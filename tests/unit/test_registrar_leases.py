@@ -12,7 +12,8 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import ManualClock
 from kvpush.services.registrar.config import RegistrarConfig
-from kvpush.services.registrar.core import RegistrarCore, RemovalReason
+from kvpush.services.registrar.core import RegistrarCore
+from kvpush.services.registrar.directory import RemovalReason
 
 # ----- ranks, state, leases -----
 

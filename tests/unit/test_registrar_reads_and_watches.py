@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from registrar_harness import UPSERTED, events, expect
+from registrar_harness import SNAPSHOT_END, UPSERTED, events, expect
 
 from kvpush import errors
 from kvpush.errors import Reason
@@ -94,3 +94,35 @@ def test_watches_past_the_cap_of_one_watcher_are_refused(clock: ManualClock):
         registrar.unwatch(subscription)
     registrar.watch(0, "router")
     registrar.watch(0, "router")
+
+
+def test_a_watch_resumes_after_a_revision_it_saw_while_the_history_holds_it(clock: ManualClock):
+    registrar = RegistrarCore(RegistrarConfig(watch_history=3), clock)
+    first = registrar.watch()
+    registrar.register(sample.rank_request("prefill-0", sample.PREFILL))
+    registrar.register(sample.rank_request("decode-0", sample.DECODE))
+    seen = first.outbox.drain()
+    assert seen[0].revision < seen[1].revision == registrar.revision
+    registrar.register(sample.rank_request("decode-1", sample.DECODE))
+    resumed = registrar.watch(0, "", seen[1].revision + 1)
+    assert [(e.type, e.engine.engine_id) for e in resumed.outbox.drain()] == [(UPSERTED, "decode-1")]  # no snapshot
+    assert registrar.watch(0, "", registrar.revision + 1).outbox.drain() == []  # nothing happened since
+    assert [e.engine.engine_id for e in registrar.watch(sample.PREFILL, "", seen[0].revision).outbox.drain()] == ["prefill-0"]
+
+
+def test_a_watch_from_a_revision_no_longer_held_gets_a_snapshot_and_its_end(clock: ManualClock):
+    registrar = RegistrarCore(RegistrarConfig(watch_history=2), clock)
+    revisions = []
+    for i in range(3):
+        registrar.register(sample.rank_request(f"decode-{i}", sample.DECODE))
+        revisions.append(registrar.revision)
+    stale = registrar.watch(0, "", revisions[0])  # the history holds the last two changes only
+    events = stale.outbox.drain()
+    assert [(e.type, e.engine.engine_id) for e in events] == [(UPSERTED, "decode-0"), (UPSERTED, "decode-1"), (UPSERTED, "decode-2"), (SNAPSHOT_END, "")]
+    assert {e.revision for e in events} == {registrar.revision}
+    assert [e.engine.engine_id for e in registrar.watch(0, "", revisions[1]).outbox.drain()] == ["decode-1", "decode-2"]  # still held
+    # Revisions of an earlier run of the registrar are never resumed into this one's history.
+    restarted = RegistrarCore(RegistrarConfig(), clock)
+    restarted.register(sample.rank_request("prefill-0", sample.PREFILL))
+    assert [e.type for e in restarted.watch(0, "", registrar.revision + 1).outbox.drain()] == [UPSERTED, SNAPSHOT_END]
+    expect(errors.InvalidArgument, Reason.FIELD_OUT_OF_RANGE, "start_revision", registrar.watch, 0, "", -1)

@@ -8,7 +8,8 @@ import pathlib
 
 import pytest
 
-from kvpush.services.broker.config import BrokerConfig
+from kvpush.etcd.settings import EtcdSettings
+from kvpush.services.broker.config import BrokerConfig, ShardMembership
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.registrar.config import RegistrarConfig
 
@@ -59,3 +60,49 @@ def test_credentials_and_caps_come_from_flags_or_the_environment(monkeypatch, tm
     assert server.tokens_dir == tmp_path and not server.mtls
     assert (registrar.max_engines, registrar.max_watches_per_identity) == (8, 3)
     assert (RegistrarConfig().max_engines, RegistrarConfig().max_watches_per_identity) == (4096, 64)
+
+
+def etcd_and_shards(monkeypatch, env: dict[str, str], argv: list[str]) -> tuple[EtcdSettings, ShardMembership]:
+    """The etcd settings and shard membership as `kvpush registrar` and `kvpush broker` parse them."""
+    for name in ("KVPUSH_ETCD", "KVPUSH_ETCD_PREFIX", "KVPUSH_ETCD_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    EtcdSettings.add_arguments(parser)
+    ShardMembership.add_arguments(parser)
+    args = parser.parse_args(argv)
+    return EtcdSettings.from_args(args), ShardMembership.from_args(args)
+
+
+def test_the_etcd_endpoints_and_prefix_come_from_flags_or_the_environment(monkeypatch):
+    assert etcd_and_shards(monkeypatch, {}, [])[0] == EtcdSettings()  # no endpoints: a registrar keeps its directory in process, a broker is unsharded
+    assert (EtcdSettings().endpoints, EtcdSettings().prefix, EtcdSettings().timeout_s) == (None, "/kvpush/", 5.0)
+    from_env, _ = etcd_and_shards(monkeypatch, {"KVPUSH_ETCD": "127.0.0.1:2379, 127.0.0.1:2381", "KVPUSH_ETCD_TIMEOUT_S": "2"}, ["--etcd-prefix", "/team-a/"])
+    assert (from_env.endpoints, from_env.prefix, from_env.timeout_s) == (("127.0.0.1:2379", "127.0.0.1:2381"), "/team-a/", 2.0)
+    assert etcd_and_shards(monkeypatch, {}, ["--etcd", "127.0.0.1:1"])[0].endpoints == ("127.0.0.1:1",)
+    client = from_env.client()
+    assert (client.endpoints, client.timeout_s) == (["127.0.0.1:2379", "127.0.0.1:2381"], 2.0)
+    with pytest.raises(ValueError, match="--etcd-prefix must end with '/'"):
+        EtcdSettings(endpoints=("127.0.0.1:1",), prefix="/kvpush")
+    with pytest.raises(ValueError, match="--etcd-timeout must be a positive number"):
+        EtcdSettings(timeout_s=0)
+
+
+def test_a_broker_on_etcd_is_a_named_member_that_advertises_where_it_listens(monkeypatch):
+    etcd, shards = etcd_and_shards(monkeypatch, {}, ["--etcd", "127.0.0.1:1,127.0.0.1:2", "--member-id", "broker-0", "--shard-lease-ttl", "3"])
+    assert (etcd.endpoints, shards.member_id, shards.lease_ttl_s, etcd.prefix) == (("127.0.0.1:1", "127.0.0.1:2"), "broker-0", 3, "/kvpush/")
+    shards.check_on_etcd("127.0.0.1:0")
+    assert shards.address("127.0.0.1:0", 5000) == "127.0.0.1:5000"
+    with pytest.raises(ValueError, match="--advertise"):
+        shards.address("0.0.0.0:50053", 50053)
+    with pytest.raises(ValueError, match="--advertise"):
+        shards.check_on_etcd("0.0.0.0:50053")
+    _, advertised = etcd_and_shards(monkeypatch, {}, ["--etcd", "127.0.0.1:1", "--member-id", "broker-0", "--advertise", "broker-0.brokers:50053"])
+    advertised.check_on_etcd("0.0.0.0:50053")
+    assert advertised.address("0.0.0.0:50053", 50053) == "broker-0.brokers:50053"
+    _, unnamed = etcd_and_shards(monkeypatch, {}, ["--etcd", "127.0.0.1:1"])
+    with pytest.raises(ValueError, match="--member-id"):
+        unnamed.check_on_etcd("127.0.0.1:0")
+    with pytest.raises(ValueError, match="end with '/'"):
+        etcd_and_shards(monkeypatch, {}, ["--etcd", "127.0.0.1:1", "--member-id", "b", "--etcd-prefix", "/x"])

@@ -7,31 +7,19 @@ import time
 
 import pytest
 from nixl_pair import (
-    IDLE,
-    POLL,
     WRITTEN,
-    Pair,
+    transfer_threads,
 )
 
-from kvpush.connector.consumer import Consumer
 from kvpush.connector.handoff import DestinationReady, SourceReady
-from kvpush.connector.producer import Producer
-from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common.clock import SystemClock
 
 # ----- the transfer threads -----
 
 
 @pytest.fixture
 def threads():
-    pair = Pair(clock=SystemClock())
-    producer = Producer(pair.producer, POLL, IDLE)
-    consumer = Consumer(pair.consumer, POLL, IDLE)
-    producer.on_engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))
-    yield pair, producer, consumer
-    producer.stop()
-    consumer.stop()
-    pair.close()
+    with transfer_threads() as started:
+        yield started
 
 
 def wait(predicate, timeout: float = 10.0):

@@ -24,6 +24,7 @@ class EngineEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ENGINE_EVENT_TYPE_UNSPECIFIED: _ClassVar[EngineEventType]
     ENGINE_EVENT_TYPE_UPSERTED: _ClassVar[EngineEventType]
     ENGINE_EVENT_TYPE_REMOVED: _ClassVar[EngineEventType]
+    ENGINE_EVENT_TYPE_SNAPSHOT_END: _ClassVar[EngineEventType]
 ENGINE_STATE_UNSPECIFIED: EngineState
 ENGINE_STATE_PARTIAL: EngineState
 ENGINE_STATE_READY: EngineState
@@ -31,6 +32,7 @@ ENGINE_STATE_GONE: EngineState
 ENGINE_EVENT_TYPE_UNSPECIFIED: EngineEventType
 ENGINE_EVENT_TYPE_UPSERTED: EngineEventType
 ENGINE_EVENT_TYPE_REMOVED: EngineEventType
+ENGINE_EVENT_TYPE_SNAPSHOT_END: EngineEventType
 
 class RegisteredRank(_message.Message):
     __slots__ = ("rank", "nixl", "layout", "expire_time")
@@ -143,17 +145,21 @@ class ListEnginesResponse(_message.Message):
     def __init__(self, engines: _Optional[_Iterable[_Union[Engine, _Mapping]]] = ...) -> None: ...
 
 class WatchEnginesRequest(_message.Message):
-    __slots__ = ("role",)
+    __slots__ = ("role", "start_revision")
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    START_REVISION_FIELD_NUMBER: _ClassVar[int]
     role: _engine_pb2.EngineRole
-    def __init__(self, role: _Optional[_Union[_engine_pb2.EngineRole, str]] = ...) -> None: ...
+    start_revision: int
+    def __init__(self, role: _Optional[_Union[_engine_pb2.EngineRole, str]] = ..., start_revision: _Optional[int] = ...) -> None: ...
 
 class WatchEnginesResponse(_message.Message):
-    __slots__ = ("type", "engine", "reason")
+    __slots__ = ("type", "engine", "reason", "revision")
     TYPE_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     type: EngineEventType
     engine: Engine
     reason: str
-    def __init__(self, type: _Optional[_Union[EngineEventType, str]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ..., reason: _Optional[str] = ...) -> None: ...
+    revision: int
+    def __init__(self, type: _Optional[_Union[EngineEventType, str]] = ..., engine: _Optional[_Union[Engine, _Mapping]] = ..., reason: _Optional[str] = ..., revision: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""An engine's reports, each on the EngineReports stream of the broker member that owns its transfer.
+
+A sharded broker splits transfers among its members by rendezvous hashing
+of transfer_id (kvpush.shards); an engine keeps one ReportStream per member
+(the ControlSession adds and removes them as the shard map changes) and
+sends each item to its transfer's owner, so a rank holds O(members)
+streams. An unsharded broker is one member (""): every item goes on its one
+stream, exactly as without sharding, with no hashing and no extra message.
+A write result goes instead to the member whose order it answers
+(Report.to) while that member has a stream: a member that lost a transfer
+to a newcomer still holds the attempt and fences it by these answers.
+
+An item answered NOT_SHARD_OWNER (the member's map differs from ours: a
+member joined or left and we have not heard yet) goes again to the owner
+that answer names, on that member's stream (opened for it if our map does
+not list it yet), at most MAX_REDIRECTS times. When a member leaves, the
+items it was never sent go to their new owners; those it was sent and did
+not answer are answered Unavailable (BROKER_SHARD_LOST): whether it applied
+them is unknown, as after a unary call whose server died. The seed ("")
+giving way to a sharded map is not a loss: it was one of the members, and
+its unanswered items go again to their owners (a repeat is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from kvpush import errors, shards
+from kvpush.client import BrokerClient
+from kvpush.connector.report_stream import Report, ReportStream, deliver
+
+logger = logging.getLogger(__name__)
+
+# The member id of an unsharded broker, and of the seed before a sharded map arrived (kvpush.client.shard_map.UNSHARDED).
+SEED = ""
+# NOT_SHARD_OWNER answers one item follows: members' maps converge within a watch round trip, so more means a fault.
+MAX_REDIRECTS = 2
+
+
+class ReportRouter:
+    """Routes an engine's reports to its members' ReportStreams; lives on a ControlSession's loop (send from any thread)."""
+
+    def __init__(self, engine_id: str, loop: asyncio.AbstractEventLoop, timeout_s: float, closed: Callable[[], bool],
+                 client_for: Callable[[str, str], BrokerClient]):
+        """client_for(member, address): the client of a member a NOT_SHARD_OWNER answer named."""
+        self._engine_id = engine_id
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._closed = closed
+        self._client_for = client_for
+        self._streams: dict[str, tuple[ReportStream, asyncio.Future]] = {}
+        self._sharded = False  # a member other than the seed was ever added: items' owners are tracked (on_route)
+        self._parked: list[Report] = []  # items that came while no member was known
+
+    # ---- any thread ----------------------------------------------------------------------
+
+    def send(self, report: Report) -> None:
+        """Queues one item (any thread)."""
+        self.send_many([report])
+
+    def send_many(self, reports: list[Report]) -> None:
+        """Queues items (any thread); those for one member leave together in one message."""
+        if reports and not self._closed():
+            self._loop.call_soon_threadsafe(self._arrive, reports)
+
+    # ---- control loop --------------------------------------------------------------------
+
+    def members(self) -> set[str]:
+        return set(self._streams)
+
+    def add_member(self, member: str, broker: BrokerClient) -> None:
+        """Opens the member's stream (nothing if it has one); items waiting for any member go out."""
+        if member in self._streams:
+            return
+        stream = ReportStream(broker, self._engine_id, self._loop, self._timeout_s, self._closed, redirect=self._redirect)
+        self._streams[member] = (stream, asyncio.ensure_future(stream.run()))
+        self._sharded = self._sharded or member != SEED
+        parked, self._parked = self._parked, []
+        self._route(parked)
+
+    async def remove_member(self, member: str, *, lost: bool) -> None:
+        """Closes the member's stream. Items it was never sent go to their owners now; lost: those it was sent are answered BROKER_SHARD_LOST."""
+        entry = self._streams.pop(member, None)
+        if entry is None:
+            return
+        stream, task = entry
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        again = []
+        for report in stream.take_pending():
+            if lost and report.sent:
+                deliver(report, None, errors.Unavailable(f"broker member {member} left the shard map before answering",
+                                                         reason=errors.Reason.BROKER_SHARD_LOST))
+            else:
+                again.append(report)
+        self._route(again)
+
+    def _arrive(self, reports: list[Report]) -> None:
+        expires = self._loop.time() + self._timeout_s
+        for report in reports:
+            report.expires = expires
+        self._route(reports)
+
+    def _route(self, reports: list[Report], member: str | None = None) -> None:
+        """Queues each item for member, or for its transfer's owner among the members with a stream."""
+        if not reports:
+            return
+        if not self._streams:
+            self._park(reports)
+            return
+        groups: dict[str, list[Report]] = {}
+        if member is None and len(self._streams) == 1:
+            member = next(iter(self._streams))  # unsharded: no hashing
+        for report in reports:
+            if member is not None:
+                owner = member
+            elif report.to is not None and report.to in self._streams:
+                owner = report.to
+            else:
+                owner = shards.owner(report.message.key.transfer_id, self._streams)
+            report.member, report.sent = owner, False
+            if self._sharded and report.on_route is not None:
+                report.on_route(owner)
+            groups.setdefault(owner, []).append(report)
+        for owner, items in groups.items():
+            self._streams[owner][0].put(items)
+
+    def _park(self, reports: list[Report]) -> None:
+        """No member to send to (every one left): items wait for the next one, or are answered at their expiry."""
+        self._parked += reports
+        self._loop.call_at(min(r.expires for r in reports), self._expire_parked)
+
+    def _expire_parked(self) -> None:
+        now = self._loop.time()
+        expired = [r for r in self._parked if r.expires <= now]
+        self._parked = [r for r in self._parked if r.expires > now]
+        for report in expired:
+            deliver(report, None, errors.Unavailable(f"no broker member to send to within {self._timeout_s:g}s",
+                                                     reason=errors.Reason.BROKER_SHARD_LOST))
+
+    def _redirect(self, report: Report, error: errors.KvpushError) -> bool:
+        """A NOT_SHARD_OWNER answer: the item goes to the owner it names (True), or gets the error (False)."""
+        owner, address = error.metadata.get("owner_member_id", ""), error.metadata.get("owner_address", "")
+        if not owner or owner == report.member or report.redirects >= MAX_REDIRECTS:
+            return False
+        if owner not in self._streams:
+            if not address:
+                return False
+            logger.info("kvpush: broker member %s (%s) is not in this engine's shard map yet; reporting to it anyway", owner, address)
+            self.add_member(owner, self._client_for(owner, address))
+        report.redirects += 1
+        self._route([report], owner)
+        return True

@@ -1,0 +1,139 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A broker member's membership kept in etcd: its own key under a lease it renews, every member's key from a watch.
+
+Key `<prefix>brokers/<member_id>` holds a serialized BrokerShard and is
+attached to the member's KeptLease, so etcd deletes it when the member dies
+or is cut off for a lease ttl. The map is listed, then followed by a watch
+from the listed revision (resumed after a broken stream, listed again after
+a compaction). The member serves only while it surely holds the lease and
+sees its own key; once the lease is lost (or its key deleted) it stops
+serving, takes a new lease and writes its key again by itself — as it does
+after a restart, the key then moving to the new lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from kvpush.client.backoff import Backoff
+from kvpush.errors import KvpushError, Reason, Unavailable
+from kvpush.etcd.client import Compacted, EtcdClient, Event
+from kvpush.etcd.lease import KeptLease
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.services.broker.membership import MapMembership
+
+logger = logging.getLogger(__name__)
+
+BROKERS = "brokers/"
+
+
+class _Evicted(Exception):
+    """This member's own key was deleted while its lease held: it joins again."""
+
+
+def brokers_prefix(prefix: str) -> bytes:
+    """Where the members' keys live under a deployment's etcd prefix."""
+    return (prefix + BROKERS).encode()
+
+
+class EtcdMembership(MapMembership):
+    """This member's place in the etcd shard map; run() keeps it until cancelled, close() leaves the map."""
+
+    def __init__(self, client: EtcdClient, *, member_id: str, prefix: str, lease_ttl_s: int, max_backoff_s: float = 2.0):
+        self._lease: KeptLease | None = None
+        super().__init__(member_id, self._held)
+        self._client = client
+        # Where others reach this member: set before run() (a port chosen at bind time is known only then).
+        self.address = ""
+        self._prefix = brokers_prefix(prefix)
+        self._key = self._prefix + member_id.encode()
+        self._lease_ttl_s = lease_ttl_s
+        self._max_backoff_s = max_backoff_s
+        self._closed = False
+
+    def _held(self) -> bool:
+        return self._lease is not None and self._lease.held()
+
+    async def run(self) -> None:
+        """Joins, follows the map, and joins again whenever the lease is lost; until cancelled."""
+        backoff = Backoff(0.1, self._max_backoff_s)
+        while not self._closed:
+            try:
+                await self._hold_membership(backoff)
+            except (KvpushError, _Evicted) as exc:
+                if self._closed:
+                    return
+                logger.warning("broker member %s is out of the shard map (%s); joining again in %.1fs", self.member_id, exc, backoff.delay_s)
+            finally:
+                await self._drop_lease()
+            await backoff.sleep()
+
+    async def close(self) -> None:
+        """Leaves the map for good, at once (revoking the lease deletes the key) rather than when the lease would lapse."""
+        self._closed = True
+        await self._drop_lease()
+
+    async def _hold_membership(self, backoff: Backoff) -> None:
+        lease = self._lease = await KeptLease(self._client, self._lease_ttl_s).start()
+        shard = rv_pb.BrokerShard(member_id=self.member_id, address=self.address)
+        await self._client.put(self._key, shard.SerializeToString(), lease=lease.id)
+        follow = asyncio.create_task(self._follow(backoff), name=f"shard-map-{self.member_id}")
+        lost = asyncio.create_task(lease.lost.wait(), name=f"shard-lease-{self.member_id}")
+        try:
+            await asyncio.wait((follow, lost), return_when=asyncio.FIRST_COMPLETED)
+            if follow.done():
+                follow.result()  # raises why it stopped
+            raise Unavailable("its membership lease was lost", reason=Reason.BROKER_SHARD_LOST)
+        finally:
+            for task in (follow, lost):
+                task.cancel()
+            await asyncio.gather(follow, lost, return_exceptions=True)
+
+    async def _follow(self, backoff: Backoff) -> None:
+        """Lists the map, then follows it; a broken watch resumes where it stopped, a compacted one lists again."""
+        revision = await self._list()
+        backoff.reset()
+        while True:
+            try:
+                async with contextlib.aclosing(self._client.watch_prefix(self._prefix, start_revision=revision + 1)) as batches:
+                    async for batch in batches:
+                        members = dict(self.members())
+                        for event in batch.events:
+                            self._apply(members, event)
+                        revision = batch.revision
+                        self.update(members, revision)
+                        backoff.reset()
+            except Compacted:
+                revision = await self._list()
+            except KvpushError as exc:
+                logger.info("shard map watch broke (%s); resuming from revision %d", exc, revision + 1)
+                await backoff.sleep()
+
+    async def _list(self) -> int:
+        kvs, revision = await self._client.get_prefix(self._prefix)
+        members = {self._member_of(kv.key): rv_pb.BrokerShard.FromString(kv.value).address for kv in kvs}
+        if self.member_id not in members:
+            raise _Evicted(f"its key {self._key.decode()} is missing")
+        self.update(members, revision)
+        return revision
+
+    def _member_of(self, key: bytes) -> str:
+        """The member a key belongs to: the key names it (the value only says where it is reached)."""
+        return key[len(self._prefix):].decode()
+
+    def _apply(self, members: dict[str, str], event: Event) -> None:
+        member_id = self._member_of(event.kv.key)
+        if event.type == "DELETE":
+            members.pop(member_id, None)
+            if member_id == self.member_id:
+                raise _Evicted(f"its key {self._key.decode()} was deleted")
+        else:
+            members[member_id] = rv_pb.BrokerShard.FromString(event.kv.value).address
+
+    async def _drop_lease(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            self.notify()  # serving() turned false: the core ends what it served
+            await lease.close()

@@ -1,0 +1,75 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""ShardMap and ShardedBrokerClient against `kvpush broker --etcd` members as real processes on the session's etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+from sharded_brokers import LEASE_TTL_S, WAIT_S, T, deployment
+
+from kvpush import shards
+from kvpush.client import ClientConfig, ShardedBrokerClient, ShardMap
+from kvpush.client.backoff import Backoff
+from kvpush.localstack.scaled import multi_target
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.common import sample_engines as sample
+
+TRANSFERS = [f"t{n}" for n in range(12)]
+
+
+async def until(condition, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+async def held_by(plane, member_id: str, transfer_id: str) -> bool:
+    """Whether member_id holds an attempt of transfer_id (asked directly, as the router)."""
+    try:
+        await plane.stub(member_id).GetTransfer(rv_pb.GetTransferRequest(transfer_id=transfer_id, attempt=1), metadata=plane.bearer("router"), timeout=T)
+    except grpc.aio.AioRpcError:
+        return False
+    return True
+
+
+async def test_the_sharded_client_reaches_each_owner_and_follows_a_member_that_dies(tmp_path, etcd_cluster, etcd_prefix):
+    async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
+        await plane.start_brokers("b1", "b2", "b3")
+        addresses = {member_id: service.address for member_id, service in plane.brokers.items()}
+        # The seed is every member: the map stream goes on through another when one dies.
+        config = ClientConfig(target=multi_target(addresses.values()), token=plane.token("decode-0"), default_timeout_s=T)
+        shard_map = ShardMap(config, backoff=Backoff(0.02, 0.2))
+        changes: list[tuple[dict, dict]] = []
+        shard_map.add_listener(lambda added, removed: changes.append((added, removed)))
+        async with ShardedBrokerClient(config, shard_map=shard_map) as client:
+            # Before any map, a call goes to the seed; a member that is not the owner redirects it.
+            early = await client.register_destination(sample.destination_request("early"))
+            assert early.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+            assert await held_by(plane, shards.owner("early", addresses), "early")
+
+            assert await shard_map.wait_ready(WAIT_S)
+            await until(lambda: shard_map.members() == addresses)
+            assert shard_map.sharded and shard_map.revision > 0
+            for transfer_id in TRANSFERS:
+                answer = await client.register_destination(sample.destination_request(transfer_id))
+                assert answer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+                assert shard_map.owner(transfer_id) == (shards.owner(transfer_id, addresses), addresses[shards.owner(transfer_id, addresses)])
+                assert await held_by(plane, shard_map.owner(transfer_id)[0], transfer_id)
+
+            # b3 dies: its lease lapses, the map drops it, its transfers go to their next owners.
+            b3_client = client.client_for(addresses["b3"])
+            await plane.brokers["b3"].kill()
+            await until(lambda: "b3" not in shard_map.members(), LEASE_TTL_S + WAIT_S)
+            remaining = {member_id: address for member_id, address in addresses.items() if member_id != "b3"}
+            assert shard_map.members() == remaining
+            assert changes[-1] == ({}, {"b3": addresses["b3"]})
+            await until(lambda: b3_client._channel is None)  # the client of a member that left is closed
+            moved = next(t for t in (f"m{n}" for n in range(100)) if shards.owner(t, addresses) == "b3")
+            answer = await client.register_destination(sample.destination_request(moved))
+            assert answer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+            assert await held_by(plane, shards.owner(moved, remaining), moved)

@@ -1,0 +1,161 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""A push-mode router in front of a sharded broker: an attempt whose broker member left the map fails BROKER_SHARD_LOST and is retried.
+
+The broker members are real grpc.aio servers (tests/client/shard_members)
+that publish a shard map the test controls and serve the transfers they
+own; the engines are scripted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from kvpush import shards
+from kvpush.client import UNSHARDED, ClientConfig, ShardMap
+from kvpush.client.backoff import Backoff
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.router.shard_watch import BROKER_SHARD_LOST, BROKER_SHARD_MOVED, Owner, ShardWatch
+from tests.client.shard_members import Cluster, members
+from tests.router.fake_engines import DECODE_WORDS
+from tests.router.transfer_failure_harness import (
+    BODY,
+    ScriptedEngine,
+    answer,
+    error_of,
+    just,
+    key_of,
+    router_under_test,
+    serve,
+    stop,
+    wait_until,
+)
+
+WAIT_S = 5.0
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def hang_on_first_attempt(params: dict):
+    """A decode engine whose first attempt never gets its KV (its broker member is about to go)."""
+    return answer("hang" if params["attempt"] == 1 else "ok")
+
+
+async def lose_member_during_first_attempt(spans, **overrides):
+    """Runs one request while the only member, m0, leaves the map for m1; returns (status, body, metrics, decode engine, members)."""
+    cluster = Cluster()
+    async with members(cluster, ["seed", "m0", "m1"]) as served:
+        cluster.membership = {"m0": served["m0"].address}
+        await cluster.publish(cluster.membership, revision=1)
+        prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", hang_on_first_attempt))
+        try:
+            async with router_under_test(port_of(served["seed"].address), [prefill], [decode], spans[0], **overrides) as router:
+                assert await router.router.broker.shard_map.wait_ready(WAIT_S)
+                request = asyncio.create_task(router.post("/v1/completions", BODY))
+                await wait_until(lambda: len(decode.received) == 1)
+                cluster.membership = {"m1": served["m1"].address}
+                await cluster.publish(cluster.membership, revision=2)
+                status, body, _ = await request
+                metrics = await router.metrics()
+                await wait_until(lambda: decode.disconnected == 1)
+        finally:
+            await stop(prefill, decode)
+    return status, body, metrics, decode, served
+
+
+async def test_an_attempt_whose_broker_member_left_is_retried_at_the_new_owner(spans):
+    status, body, metrics, decode, served = await lose_member_during_first_attempt(spans)
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["text"] == " ".join(DECODE_WORDS)
+    transfer_id, _ = key_of(decode)
+    assert [key_of(decode, i) for i in range(2)] == [(transfer_id, 1), (transfer_id, 2)], "the same engines, attempt + 1"
+    assert decode.disconnected == 1, "the first attempt's decode leg was closed"
+    assert ("CancelTransfer", transfer_id) in served["m1"].calls, "the lost attempt is cancelled at the transfer's new owner"
+    assert "kvpush_router_retries_total 1.0" in metrics
+    assert 'kvpush_router_leg_failures_total{cause="transfer",leg="decode"} 1.0' in metrics
+    assert 'kvpush_router_failed_requests_total{reason="BROKER_SHARD_LOST"} 0.0' in metrics
+
+
+async def test_a_lost_broker_member_answers_503_when_no_attempt_is_left(spans):
+    status, body, metrics, decode, served = await lose_member_during_first_attempt(spans, max_attempts=1)
+    error = error_of(body)
+    transfer_id, _ = key_of(decode)
+    assert status == 503 and error["type"] == "ServiceUnavailableError"
+    assert (error["reason"], error["leg"], error["transfer_id"], error["attempt"]) == ("BROKER_SHARD_LOST", "decode", transfer_id, 1)
+    assert f"transfer {transfer_id} attempt 1: broker member m0 ({served['m0'].address}) left the broker's shard map" in error["message"]
+    assert 'kvpush_router_failed_requests_total{reason="BROKER_SHARD_LOST"} 1.0' in metrics
+
+
+async def test_a_member_leaving_after_the_kv_arrived_changes_nothing(spans):
+    cluster = Cluster()
+    release = asyncio.Event()
+
+    async def decode_after_release(params: dict) -> str:
+        await release.wait()
+        return "ok"
+
+    async with members(cluster, ["seed", "m0", "m1"]) as served:
+        cluster.membership = {"m0": served["m0"].address}
+        served["m0"].transfer_state = tr_pb.TRANSFER_STATE_DONE
+        await cluster.publish(cluster.membership, revision=1)
+        prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", decode_after_release))
+        try:
+            async with router_under_test(port_of(served["seed"].address), [prefill], [decode], spans[0], early_poll_delay_s=0.05) as router:
+                assert await router.router.broker.shard_map.wait_ready(WAIT_S)
+                request = asyncio.create_task(router.post("/v1/completions", BODY))
+                await wait_until(lambda: any(call[0] == "GetTransfer" for call in served["m0"].calls))
+                cluster.membership = {"m1": served["m1"].address}
+                await cluster.publish(cluster.membership, revision=2)
+                await wait_until(lambda: router.router.broker.shard_map.revision == 2)
+                await asyncio.sleep(0.1)
+                release.set()
+                status, body, _ = await request
+        finally:
+            await stop(prefill, decode)
+    transfer_id, _ = key_of(decode)
+    assert status == 200, body
+    assert len(decode.received) == 1 and decode.disconnected == 0
+    assert ("CancelTransfer", transfer_id) not in served["m1"].calls
+
+
+async def test_shard_watch_tells_a_lost_owner_from_a_moved_transfer():
+    cluster = Cluster()
+    async with members(cluster, ["m0", "m1"]) as served:
+        a0, a1 = served["m0"].address, served["m1"].address
+        await cluster.publish({"m0": a0}, revision=1)
+        shard_map = ShardMap(ClientConfig(target=a0), backoff=Backoff(0.01, 0.05))
+        watch = ShardWatch(shard_map)
+        try:
+            assert watch.lost("t", Owner()) == "", "an unsharded owner is never lost"
+            assert await shard_map.wait_ready(WAIT_S)
+            moving = next(t for t in (f"t-{n}" for n in range(100)) if shards.owner(t, {"m0": a0, "m1": a1}) == "m1")
+            staying = next(t for t in (f"t-{n}" for n in range(100)) if shards.owner(t, {"m0": a0, "m1": a1}) == "m0")
+            assert watch.owner(moving) == Owner("m0", a0)
+            moved, stayed, unsharded = watch.watch(moving, Owner("m0", a0)), watch.watch(staying, Owner("m0", a0)), watch.watch(moving, Owner())
+            await cluster.publish({"m0": a0, "m1": a1}, revision=2)
+            assert await asyncio.wait_for(moved, WAIT_S) == BROKER_SHARD_MOVED
+            assert not stayed.done() and not unsharded.done()
+            await cluster.publish({"m0": a1}, revision=3)  # m0 came back at another address: what it held is gone
+            assert await asyncio.wait_for(stayed, WAIT_S) == BROKER_SHARD_LOST
+            assert watch.watch(staying, Owner("m0", a0)).result() == BROKER_SHARD_LOST, "already lost: resolved at once"
+            watch.unwatch(unsharded)
+            assert unsharded.cancelled()
+            assert watch.lost("t", Owner(UNSHARDED, a0)) == ""
+        finally:
+            watch.close()
+            await shard_map.close()
+
+
+async def test_the_embedded_control_plane_is_one_unsharded_shard(plane, spans):
+    prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just("ok")))
+    try:
+        async with router_under_test(plane.port, [prefill], [decode], spans[0]) as router:
+            shard_map = router.router.broker.shard_map
+            assert await shard_map.wait_ready(WAIT_S)
+            assert (shard_map.sharded, shard_map.members()) == (False, {UNSHARDED: f"127.0.0.1:{plane.port}"})
+            assert router.router.shards.owner("xfer-1") == Owner(UNSHARDED, f"127.0.0.1:{plane.port}")
+    finally:
+        await stop(prefill, decode)
