@@ -102,12 +102,12 @@ class Settings:
                 continue
             if spec.repeatable:
                 help_text = f"{spec.help} (env {spec.env}, comma-separated)"
-                parser.add_argument(spec.flag, action=_Repeat, type=spec.convert, default=spec.from_env(()), metavar=spec.metavar, help=help_text)
+                parser.add_argument(spec.flag, action=_Repeat, type=_flag_type(spec.convert), default=spec.from_env(()), metavar=spec.metavar, help=help_text)
                 continue
             default = defaults.get(f.name, None if f.default is dataclasses.MISSING else f.default)
             shown = "unset" if default is None else default
             help_text = f"{spec.help} (env {spec.env}; default {shown})"
-            parser.add_argument(spec.flag, type=spec.convert, default=spec.from_env(default), metavar=spec.metavar, help=help_text)
+            parser.add_argument(spec.flag, type=_flag_type(spec.convert), default=spec.from_env(default), metavar=spec.metavar, help=help_text)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Self:
@@ -142,3 +142,16 @@ class Settings:
                 raise ValueError(f"{where}={raw!r}: expected {expected}")
             values[f.name] = value
         return values
+
+
+def _flag_type(convert: Callable[[str], Any]) -> Callable[[str], Any]:
+    """convert as an argparse type: the reason a converter gives for refusing a value reaches the user, not only the value."""
+
+    def converted(text: str) -> Any:
+        try:
+            return convert(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    converted.__name__ = getattr(convert, "__name__", "value")
+    return converted

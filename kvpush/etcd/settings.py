@@ -10,8 +10,17 @@ from kvpush.settings import Settings, setting
 
 
 def endpoint_list(value: str) -> tuple[str, ...]:
-    """Endpoints from "host:port,host:port" (blanks around and between items dropped)."""
-    return tuple(item.strip() for item in value.split(",") if item.strip())
+    """Endpoints from "host:port,host:port" (blanks around and between items dropped); anything else is refused, naming it.
+
+    A malformed endpoint would otherwise only show as a member that never
+    reaches etcd, retrying for ever.
+    """
+    endpoints = tuple(item.strip() for item in value.split(",") if item.strip())
+    for endpoint in endpoints:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
+    return endpoints
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,6 +89,15 @@ def test_the_etcd_endpoints_and_prefix_come_from_flags_or_the_environment(monkey
         EtcdSettings(timeout_s=0)
 
 
+@pytest.mark.parametrize("endpoints", ["bad", "127.0.0.1", "127.0.0.1:0", "127.0.0.1:99999", ":2379", "127.0.0.1:2379,etcd-1"])
+def test_a_malformed_etcd_endpoint_is_refused_naming_it(monkeypatch, capsys, endpoints):
+    with pytest.raises(SystemExit):
+        etcd_and_shards(monkeypatch, {}, ["--etcd", endpoints])
+    assert "is not host:port" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="KVPUSH_ETCD=.* is not host:port"):
+        etcd_and_shards(monkeypatch, {"KVPUSH_ETCD": endpoints}, [])
+
+
 def test_a_broker_on_etcd_is_a_named_member_that_advertises_where_it_listens(monkeypatch):
     etcd, shards = etcd_and_shards(monkeypatch, {}, ["--etcd", "127.0.0.1:1,127.0.0.1:2", "--member-id", "broker-0", "--shard-lease-ttl", "3"])
     assert (etcd.endpoints, shards.member_id, shards.lease_ttl_s, etcd.prefix) == (("127.0.0.1:1", "127.0.0.1:2"), "broker-0", 3, "/kvpush/")
