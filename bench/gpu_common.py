@@ -102,8 +102,8 @@ def cache_planes(cache: torch.Tensor, geometry: Geometry) -> list[Plane]:
     return planes
 
 
-def make_agent(name: str, cache: torch.Tensor) -> KvAgent:
-    agent = KvAgent(name, ["UCX"], "VRAM" if cache.is_cuda else "DRAM")
+def make_agent(name: str, cache: torch.Tensor, progress_thread_ms: int) -> KvAgent:
+    agent = KvAgent(name, ["UCX"], "VRAM" if cache.is_cuda else "DRAM", progress_thread_ms)
     agent.register([MemoryRange(cache.data_ptr(), cache.nbytes, cache.device.index or 0)])
     return agent
 
@@ -205,7 +205,7 @@ def run_consumer(conn, options: dict) -> None:
     geometry = Geometry(**options["geometry"])
     cache = allocate_cache(geometry, device)
     bits = cache.view(torch.int16)
-    agent = make_agent(f"{NOTIF_PREFIX}-d-{os.getpid()}", cache)
+    agent = make_agent(f"{NOTIF_PREFIX}-d-{os.getpid()}", cache, options["progress_thread_ms"])
     link = Link(conn, agent, options["timeout_s"])
     link.send("hello", agent.name, agent.metadata(), cache_planes(cache, geometry), device.index or 0)
     saw_hello = False
@@ -272,12 +272,12 @@ def wait_for_notifications(link: Link, wanted: list[bytes]) -> list[int]:
 class ProducerSide:
     """P's cache and agent, connected to D, with both sides' page tables prepared (kvpush's per-peer lists)."""
 
-    def __init__(self, conn, geometry: Geometry, device: torch.device, timeout_s: float):
+    def __init__(self, conn, geometry: Geometry, device: torch.device, timeout_s: float, progress_thread_ms: int = 0):
         self.geometry, self.device, self.timeout_s = geometry, device, timeout_s
         self.cache = allocate_cache(geometry, device)
         self.bits = self.cache.view(torch.int16)
         self.planes = cache_planes(self.cache, geometry)
-        self.agent = make_agent(f"{NOTIF_PREFIX}-p-{os.getpid()}", self.cache)
+        self.agent = make_agent(f"{NOTIF_PREFIX}-p-{os.getpid()}", self.cache, progress_thread_ms)
         self.link = link = Link(conn, self.agent, timeout_s)
         peer_name, peer_metadata, self.peer_planes, self.peer_device = link.receive("hello")
         started = time.monotonic_ns()
@@ -366,6 +366,8 @@ def add_common_options(parser: argparse.ArgumentParser, *, seed: int) -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed samples per cell, before the timed ones")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
     parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--nixl-progress-thread-ms", type=int, default=0,
+                        help="both agents with NIXL's event-driven progress thread waking at least this often (0: none, as measured before)")
     parser.add_argument("--out", required=True, help="JSON file for every sample")
 
 
@@ -407,7 +409,8 @@ def run_session(args: argparse.Namespace, geometry: Geometry, result: dict, save
     An exception is kept in result["error"] with what was measured before it.
     """
     _, d_device = devices(args)
-    options = {"d_device": str(d_device), "geometry": asdict(geometry), "timeout_s": args.timeout, "ipc_bytes": ipc_bytes}
+    options = {"d_device": str(d_device), "geometry": asdict(geometry), "timeout_s": args.timeout, "ipc_bytes": ipc_bytes,
+               "progress_thread_ms": args.nixl_progress_thread_ms}
     context = torch_mp.get_context("spawn")
     p_end, d_end = context.Pipe()
     consumer = context.Process(target=consumer_main, args=(d_end, options), daemon=True)

@@ -207,7 +207,7 @@ def run(args: argparse.Namespace, save) -> dict:
               "summary": [], "complete": False, "error": None}
 
     def producer_side(conn) -> None:
-        producer = Producer(conn, geometry, device, args.timeout)
+        producer = Producer(conn, geometry, device, args.timeout, args.nixl_progress_thread_ms)
         result.update(connect_ms=producer.connect_ms, prepare_ms=producer.prepare_ms, ipc_error=producer.ipc_error)
         if cuda:
             sizes = sorted({geometry.transfer_bytes(t) for t in tokens_list})

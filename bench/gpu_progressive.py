@@ -81,8 +81,9 @@ class LayerDone:
 class Producer(ProducerSide):
     """P: a simulated prefill with its WRITE, whole or in parts."""
 
-    def __init__(self, conn, geometry: Geometry, device: torch.device, timeout_s: float, hidden: int, ffn: int, tokens: int):
-        super().__init__(conn, geometry, device, timeout_s)
+    def __init__(self, conn, geometry: Geometry, device: torch.device, timeout_s: float, hidden: int, ffn: int, tokens: int,
+                 progress_thread_ms: int = 0):
+        super().__init__(conn, geometry, device, timeout_s, progress_thread_ms)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.activations = torch.randn(tokens, hidden, dtype=dtype, device=device)
         self.weights = [torch.randn(hidden, ffn, dtype=dtype, device=device) / hidden**0.5 for _ in range(2)]
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace, save) -> dict:
               "args": vars(args), "cells": [], "complete": False, "error": None}
 
     def producer_side(conn) -> None:
-        producer = Producer(conn, geometry, device, args.timeout, args.hidden, args.ffn, max(tokens_list))
+        producer = Producer(conn, geometry, device, args.timeout, args.hidden, args.ffn, max(tokens_list), args.nixl_progress_thread_ms)
         for tokens in tokens_list:
             ids = np.arange(1, -(-tokens // args.block_size) + 1, dtype=np.int64)
             for mode in MODES:

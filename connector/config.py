@@ -27,6 +27,14 @@ def _backend_names(raw: object) -> tuple[str, ...]:
     return tuple(raw)
 
 
+def _ms_or_auto(raw: object) -> int | None:
+    if raw == "auto":
+        return None
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)) or (isinstance(raw, str) and not raw.isdigit()):
+        raise TypeError('"auto" or whole milliseconds')
+    return int(raw)
+
+
 def _true_or_false(raw: object) -> bool:
     if not isinstance(raw, bool):
         raise TypeError("true or false")
@@ -70,6 +78,14 @@ class ConnectorConfig(Settings):
     )
     idle_wait_ms: float = setting(5.0, convert=float, positive=True, help="how long an idle engine step sleeps waiting for transfer progress")
     poll_interval_ms: float = setting(0.5, convert=float, positive=True, help="NIXL progress interval while a transfer is expected")
+    nixl_progress_thread_ms: int | None = setting(
+        None,
+        convert=_ms_or_auto,
+        at_least=0,
+        help="NIXL's own progress thread (C++, no GIL), sleeping on the UCX worker's events and waking at least every this many ms; "
+        '0: none (UCX progresses only when kvpush\'s transfer thread polls); "auto" (default): 5 for a KV cache in host memory, '
+        "0 for one in GPU memory (measured: docs/benchmarks.md, docs/gpu-datapath.md)",
+    )
     idle_poll_ms: float = setting(
         250.0, convert=float, positive=True, help="NIXL progress interval while nothing is expected (each wake-up takes the GIL from the forward)"
     )

@@ -1,17 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 """A NIXL agent that never spins.
 
-NIXL 1.5.1's default UCX progress thread busy-polls a whole core. kvpush
-creates its agents without it; progress is made by the calls the owning
-thread makes (posting, checking transfers, fetching notifications), and the
-owner sleeps when it has nothing in flight. NIXL agents are not thread-safe
-in this mode: exactly one thread (the worker's transfer thread) may call an
-agent after its memory is registered.
+NIXL 1.5.1's Python agent starts the UCX progress thread with no delay, so
+it busy-polls a whole core. kvpush creates its agents either without it
+(progress is made only by the calls the owning thread makes: posting,
+checking transfers, fetching notifications) or with NIXL's progress thread
+given a delay: that C++ thread then sleeps in poll() on the UCX worker's
+event file and wakes on network events (or after the delay), so a WRITE
+over UCX's shared-memory transports completes and its notification arrives
+without waiting for either side's Python thread, and without the GIL.
+Either way exactly one Python thread (the worker's transfer thread) calls
+an agent after its memory is registered.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,19 +58,48 @@ def merge_ranges(ranges: list[MemoryRange]) -> list[MemoryRange]:
     return out
 
 
+def _nixl_agent(name: str, backends: list[str], progress_thread_ms: int):
+    if not progress_thread_ms:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends))
+    # With a progress thread UCX locks its worker for every call. Its default lock spins, and a
+    # thread spinning for a lock held by a thread the same core has descheduled stalls WRITE posts
+    # by milliseconds (measured, docs/benchmarks.md); a mutex sleeps instead. UCX reads this when
+    # its library loads: before the first agent of the process, unless the operator chose.
+    os.environ.setdefault("UCX_USE_MT_MUTEX", "y")
+    from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind
+
+    # nixl_agent's constructor fixes the progress thread's delay at 0 (a busy loop). Build it
+    # without backends, swap in a C++ agent whose progress thread has a delay, then add them.
+    agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    config = nixlBind.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = False
+    config.syncMode = nixl_thread_sync_t.NIXL_THREAD_SYNC_NONE.value
+    config.pthrDelay = int(progress_thread_ms) * 1000  # µs; NIXL rounds it up to whole ms for poll()
+    config.lthrDelay = 100_000
+    config.captureTelemetry = False
+    agent.agent = nixlBind.nixlAgent(name, config)
+    for backend in backends:
+        if backend in agent.plugin_list:
+            agent.create_backend(backend)
+    return agent
+
+
 class KvAgent:
     """One worker's NIXL agent over its KV cache memory."""
 
-    def __init__(self, name: str, backends: list[str], memory_kind: str):
-        from nixl._api import nixl_agent, nixl_agent_config
-
+    def __init__(self, name: str, backends: list[str], memory_kind: str, progress_thread_ms: int = 0):
+        """progress_thread_ms: 0 for no NIXL progress thread; else NIXL's event-driven one, waking at least this often."""
         if memory_kind not in ("DRAM", "VRAM"):
             raise ValueError(f"memory_kind must be DRAM or VRAM, not {memory_kind!r}")
+        if progress_thread_ms < 0:
+            raise ValueError(f"progress_thread_ms must be 0 or more, not {progress_thread_ms}")
         self.name = name
         self.memory_kind = memory_kind
         self.backends = list(backends)
-        config = nixl_agent_config(enable_prog_thread=False, backends=self.backends)
-        self._agent = nixl_agent(name, config)
+        self._agent = _nixl_agent(name, self.backends, progress_thread_ms)
         missing = [b for b in self.backends if b not in self._agent.backends]
         if missing:
             raise RuntimeError(f"NIXL backends {missing} are not available (have {sorted(self._agent.backends)})")

@@ -37,6 +37,7 @@ from kvpush.services.common.clock import SystemClock
 logger = logging.getLogger(__name__)
 
 TRANSFER_FORMAT = "kvpush1"
+AUTO_PROGRESS_THREAD_MS = 5  # nixl_progress_thread_ms "auto" for a KV cache in host memory
 
 
 def incarnation_of(vllm_config: Any, engine_id: str) -> str:
@@ -97,7 +98,10 @@ class KvpushWorker:
         self.progressive = self.config.progressive_push == "on" or (self.config.progressive_push == "auto" and self.memory_is_device)
         self._layer_index = {r.layer_name: r.layer_index for r in layout.regions}
         name = f"{self.config.engine_id}.{self.incarnation[:12]}.tp{self.tp_rank}.pp{self.pp_rank}"
-        self.agent = KvAgent(name, list(self.config.backends), "VRAM" if self.memory_is_device else "DRAM")
+        progress_thread_ms = self.config.nixl_progress_thread_ms
+        if progress_thread_ms is None:  # "auto": it saves ~1.5 ms per WRITE between host memories, nothing on GPUs
+            progress_thread_ms = 0 if self.memory_is_device else AUTO_PROGRESS_THREAD_MS
+        self.agent = KvAgent(name, list(self.config.backends), "VRAM" if self.memory_is_device else "DRAM", progress_thread_ms)
         self.agent.register(ranges)
         request = reg_pb.RegisterEngineRankRequest(
             rank=engine_pb2.EngineRank(

@@ -49,7 +49,7 @@ setup_venv() {
   # and break `import vllm`'s optional multimodal paths.
   log "uninstalling torchvision torchaudio torchcodec"
   "$PYTHON" -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
-  pip_install -e '.[dev,engine,report]'
+  pip_install -e '.[dev,engine,report,profile]'
   echo "$wanted_stamp" > "$STAMP"
 }
 

@@ -22,6 +22,9 @@ def test_valid_config(tmp_path):
     config = ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, backends=["UCX", "LIBFABRIC"], idle_wait_ms=2, early_orders=False))
     assert (config.role, config.engine_id, config.token) == ("decode", "decode-0", "secret")
     assert config.backends == ("UCX", "LIBFABRIC") and config.idle_wait_ms == 2.0 and config.early_orders is False
+    assert config.nixl_progress_thread_ms is None  # "auto": resolved by the worker from where the KV cache is
+    assert ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, nixl_progress_thread_ms="auto")).nixl_progress_thread_ms is None
+    assert ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, nixl_progress_thread_ms=0)).nixl_progress_thread_ms == 0
     assert config.broker == ""  # the broker is at control_plane
     apart = ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, broker="ipv4:127.0.0.1:7001,127.0.0.1:7002"))
     assert apart.broker == "ipv4:127.0.0.1:7001,127.0.0.1:7002"
@@ -37,6 +40,9 @@ def test_valid_config(tmp_path):
         ({"backends": "UCX"}, "backends='UCX': expected a non-empty list"),
         ({"idle_wait_ms": -1}, "idle_wait_ms=-1: expected a positive number"),
         ({"early_orders": "yes"}, "early_orders='yes': expected true or false"),
+        ({"nixl_progress_thread_ms": -1}, "nixl_progress_thread_ms=-1: expected at least 0"),
+        ({"nixl_progress_thread_ms": "fast"}, 'nixl_progress_thread_ms=\'fast\': expected "auto" or whole milliseconds'),
+        ({"nixl_progress_thread_ms": 0.5}, 'nixl_progress_thread_ms=0.5: expected "auto" or whole milliseconds'),
         ({"poll_intervall_ms": 1}, "unknown kv_connector_extra_config keys ['poll_intervall_ms']"),
         ({"token": "inline"}, "not in the engine's command line"),
         ({"token_file": "/nonexistent/token"}, "token_file: cannot read"),
