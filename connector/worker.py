@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 import uuid
 from typing import Any
@@ -215,6 +216,9 @@ class KvpushWorker:
             if self.tp_rank == 0:
                 self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
                 self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
+        # The WRITE is on the critical path, this step's sampling is not: let the transfer thread (woken
+        # by the hand-over) take the GIL now rather than when this thread next blocks or is forced to switch.
+        os.sched_yield()
 
     def _report_write_result(self, request: rv_pb.ReportWriteResultRequest) -> None:
         """On the transfer thread: to the broker member whose order it answers (it holds the attempt, owner or not)."""
