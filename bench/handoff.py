@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ from pathlib import Path
 from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.localstack.transfers import dispatch
+from kvpush.processes import thread_cpu_seconds
 from kvpush.telemetry import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
 
@@ -102,10 +102,7 @@ def start_profilers(stack: Stack, out: Path, label: str, seconds: float) -> list
 
 def runs_kvpush_threads(pid: int) -> bool:
     """Whether a process has a thread kvpush named (kvpush.processes.name_os_thread)."""
-    try:
-        return any(Path(f"/proc/{pid}/task/{tid}/comm").read_text().startswith("kvpush") for tid in os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return False
+    return any(key.split("/", 1)[1].startswith("kvpush") for key in thread_cpu_seconds([pid]))
 
 
 def profile_summary(out: Path, label: str, transfers: int) -> dict:
