@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvpush.logs import LEVELS
 from kvpush.settings import Settings, setting
 
 ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -94,6 +95,12 @@ class ConnectorConfig(Settings):
     )
     rpc_timeout_s: float = setting(5.0, convert=float, positive=True, help="deadline of each control-plane call")
     startup_timeout_s: float = setting(60.0, convert=float, positive=True, help="how long registration may take at engine start")
+    log_level: str = setting(
+        "info",
+        env="KVPUSH_LOG_LEVEL",
+        choices=LEVELS,
+        help="the lowest level of kvpush's own log lines in the engine's stderr (broker members joining and leaving are info)",
+    )
 
     @classmethod
     def from_kv_transfer_config(cls, kv_transfer_config: Any) -> ConnectorConfig:

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
+from kvpush.logs import show_kvpush_logs
 from kvpush.telemetry import configure_tracing
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        show_kvpush_logs(self.config.log_level)
         configure_tracing(f"kvpush-{self.config.role}")
         self._scheduler = None
         self._worker = None

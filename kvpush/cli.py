@@ -13,6 +13,8 @@ import importlib
 import logging
 import sys
 
+from kvpush.logs import LOG_FORMAT
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "control-plane": ("kvpush.services.control_plane", "run the registrar and the broker in one process (the embedded default)"),
     "registrar": ("kvpush.services.registrar.main", "run the registrar alone"),
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     sub_parser = argparse.ArgumentParser(prog=f"kvpush {known.command}", description=help_text)
     module.configure_parser(sub_parser)
     args = sub_parser.parse_args(rest)
-    logging.basicConfig(level=known.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=known.log_level.upper(), format=LOG_FORMAT)
     return int(module.run(args) or 0)
 
 

@@ -39,6 +39,12 @@ def _end_span(span: Span, code: grpc.StatusCode, error: errors.KvpushError | Non
     span.end()
 
 
+def _being_cancelled() -> bool:
+    """Whether the running task was asked to stop, rather than handed the CancelledError of a gRPC call cancelled under it."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class StreamCall(Generic[ResponseT]):
     """An open server-streaming call: `async for` reads its responses.
 
@@ -66,11 +72,17 @@ class StreamCall(Generic[ResponseT]):
                 raise StopAsyncIteration from None
             raise self._fail(exc) from exc
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if self._cancelled and not (task is not None and task.cancelling()):
+            if _being_cancelled():
+                self.cancel()  # the reading task was cancelled: do not leave the call open
+                raise
+            if self._cancelled:
                 raise StopAsyncIteration from None  # cancel() ended the call under this read
-            self.cancel()  # the reading task was cancelled: do not leave the call open
-            raise
+            # gRPC cancelled the call itself (its channel was closed under it): a failure like
+            # any other, so that a loop that reopens failed streams does not end with it.
+            error = errors.KvpushError("the call was cancelled under its reader (its channel closed)", reason="CANCELLED")
+            error.code = "CANCELLED"
+            self._finish(grpc.StatusCode.CANCELLED, error)
+            raise error from None
         if response is grpc.aio.EOF:
             self._finish(grpc.StatusCode.OK)
             raise StopAsyncIteration

@@ -115,13 +115,17 @@ class ShardMap:
                         self._apply(response)
                 if not self.sharded:
                     return  # an unsharded broker said its map once: it never changes
-                logger.info("shard map stream on %s ended; reconnecting", self.seed_target)
+                logger.warning("shard map stream on %s ended; reconnecting", self.seed_target)
             except errors.KvpushError as exc:
-                if exc.code == "UNIMPLEMENTED":
-                    # A broker from before WatchShards is unsharded.
+                if exc.code == "UNIMPLEMENTED" and not self.sharded:
+                    # A broker from before WatchShards is unsharded. Once a sharded map came, the
+                    # address answering now is no member (a port reused): keep following.
                     self.ready.set()
                     return
-                logger.info("shard map stream on %s failed (%s); reconnecting", self.seed_target, exc)
+                logger.warning("shard map stream on %s failed (%s); reconnecting", self.seed_target, exc)
+            except Exception:
+                # Whatever broke this stream, a map nobody follows would route to a dead member for ever.
+                logger.exception("shard map stream on %s broke; reconnecting", self.seed_target)
             await self._backoff.sleep()
 
     def _apply(self, response: pb.WatchShardsResponse) -> None:

