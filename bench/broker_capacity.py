@@ -333,7 +333,8 @@ async def run(args: argparse.Namespace, registrar: str, members: dict[str, str],
             *(asyncio.create_task(bench.consume_orders(shard, ready)) for shard, ready in zip(shards, readies, strict=True)),
         ]
         try:
-            await asyncio.wait_for(asyncio.gather(*(ready.wait() for ready in readies)), START_TIMEOUT_S)
+            async with asyncio.timeout(START_TIMEOUT_S):
+                await asyncio.gather(*(ready.wait() for ready in readies))
             await bench.open_loop(500, min(2.0, args.duration))  # warm-up, not reported
             results = [await bench.open_loop(rate, args.duration) for rate in args.rates]
             results.append(await bench.closed_loop(args.concurrency, args.duration))

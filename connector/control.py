@@ -28,7 +28,7 @@ from kvpush.client import BrokerClient, ClientConfig, LoopThread, RegistrarClien
 from kvpush.client.backoff import Backoff
 from kvpush.client.shard_map import UNSHARDED, ShardMap
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.report_routing import ReportRouter
+from kvpush.connector.report_routing import ReportRouter, stop_tasks
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 
 logger = logging.getLogger(__name__)
@@ -185,10 +185,7 @@ class ControlSession:
 
     async def _remove(self, member: str, members: frozenset[str]) -> None:
         lost = member != UNSHARDED  # the seed gives way to a sharded map: its items go again to their owners
-        tasks = self._member_tasks.pop(member, [])
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await stop_tasks(self._member_tasks.pop(member, []), f"a stream of broker member {member!r}")
         client = self._clients.pop(member, None) or self._redirected.pop(member, None)
         for router in self._routers:
             await router.remove_member(member, lost=lost)

@@ -40,6 +40,25 @@ SEED = ""
 MAX_REDIRECTS = 2
 
 
+# How long a cancelled stream task gets to end before its member is removed without it.
+STOP_WAIT_S = 5.0
+
+
+async def stop_tasks(tasks: list[asyncio.Task], what: str) -> None:
+    """Cancels tasks and waits (bounded) for them to end: a task that outlives its cancellation must not hold back
+    every later change of the shard map behind it."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    ended, alive = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+    for task in ended:
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("kvpush: %s had failed: %r", what, task.exception())
+    if alive:
+        logger.error("kvpush: %s did not end within %gs of its cancellation; going on without it", what, STOP_WAIT_S)
+
+
 class ReportRouter:
     """Routes an engine's reports to its members' ReportStreams; lives on a ControlSession's loop (send from any thread)."""
 
@@ -87,8 +106,7 @@ class ReportRouter:
         if entry is None:
             return
         stream, task = entry
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await stop_tasks([task], f"EngineReports stream of broker member {member!r}")
         again = []
         for report in stream.take_pending():
             if lost and report.sent:

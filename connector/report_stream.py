@@ -127,7 +127,8 @@ class ReportStream:
                         continue
                     oldest = inflight[0][0].expires if inflight else None
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), None if oldest is None else max(oldest - self._loop.time(), 0.0))
+                        async with asyncio.timeout(None if oldest is None else max(oldest - self._loop.time(), 0.0)):
+                            await self._wakeup.wait()
                     except TimeoutError:
                         # Answers do not wake this loop (that would cost a
                         # wake-up per batch): the batch this wait was timed

@@ -208,7 +208,8 @@ class ServiceClient:
         """
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(self._ensure_channel().channel_ready(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._ensure_channel().channel_ready()
         except TimeoutError:
             raise errors.Unavailable(f"{self.target} not reachable within {timeout:g}s", reason=errors.Reason.UNAVAILABLE) from None
 

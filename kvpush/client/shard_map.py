@@ -94,7 +94,8 @@ class ShardMap:
         """Starts following if needed and waits at most timeout_s for the first map; whether it came."""
         self.start()
         try:
-            await asyncio.wait_for(self.ready.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self.ready.wait()
         except TimeoutError:
             return False
         return True

@@ -341,13 +341,15 @@ class EtcdClient:
                                                   response_deserializer=pb.WatchResponse.FromString)(metadata=_REQUIRE_LEADER)
         create = pb.WatchCreateRequest(key=prefix, range_end=prefix_end(prefix), start_revision=start_revision, prev_kv=prev_kv)
         try:
-            await asyncio.wait_for(call.write(pb.WatchRequest(create_request=create)), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await call.write(pb.WatchRequest(create_request=create))
             created = False
             while True:
                 if created:
                     response = await call.read()
                 else:
-                    response = await asyncio.wait_for(call.read(), self.timeout_s)
+                    async with asyncio.timeout(self.timeout_s):
+                        response = await call.read()
                 if response is grpc.aio.EOF:
                     raise errors.Unavailable(f"etcd {self.endpoints[index]} ended the watch stream", reason=errors.Reason.UNAVAILABLE)
                 created = created or response.created

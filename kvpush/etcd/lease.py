@@ -89,7 +89,8 @@ class KeptLease:
             try:
                 # A renewal still unanswered when the lease may have lapsed
                 # cannot help any more.
-                ttl = await asyncio.wait_for(self.client.keep_alive_once(self.id), self._valid_until - sent)
+                async with asyncio.timeout(self._valid_until - sent):
+                    ttl = await self.client.keep_alive_once(self.id)
             except TimeoutError:
                 return self._lose("no renewal succeeded within its ttl")
             except errors.KvpushError as exc:

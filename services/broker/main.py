@@ -83,7 +83,8 @@ async def _follow_health(running: RunningServer, directory: RemoteEngineDirector
             reported = serving
         changed.clear()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(changed.wait(), HEALTH_RECHECK_S)
+            async with asyncio.timeout(HEALTH_RECHECK_S):
+                await changed.wait()
 
 
 async def serve(

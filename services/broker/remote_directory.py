@@ -76,7 +76,8 @@ class RemoteEngineDirectory:
     async def _follow(self) -> None:
         call = self._stub.WatchEngines(reg_pb.WatchEnginesRequest(), timeout=self._watch_renew_s, metadata=self._metadata)
         try:
-            await asyncio.wait_for(call.initial_metadata(), self._rpc_timeout_s)
+            async with asyncio.timeout(self._rpc_timeout_s):
+                await call.initial_metadata()
             listing = await self._stub.ListEngines(reg_pb.ListEnginesRequest(), timeout=self._rpc_timeout_s, metadata=self._metadata)
             self._replace_all(listing.engines)
             self.synced.set()

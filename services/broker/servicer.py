@@ -50,7 +50,8 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         waiter = asyncio.get_running_loop().create_future()
         self._end_waiters.setdefault(key, []).append(waiter)
         try:
-            await asyncio.wait_for(waiter, wait_s)
+            async with asyncio.timeout(wait_s):
+                await waiter
         except TimeoutError:
             pass
         finally:

@@ -43,6 +43,7 @@ class DeadlineRunner:
                 self._next = self._clock.now() + _RETRY_AFTER_ERROR_S
             timeout = None if self._next is None else max(0.0, self._next - self._clock.now())
             try:
-                await asyncio.wait_for(self._changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
             except TimeoutError:
                 pass

@@ -87,7 +87,8 @@ async def drain_to_stream(
                 await outbox.wait()
                 continue
             try:
-                await asyncio.wait_for(outbox.wait(), heartbeat_interval_s)
+                async with asyncio.timeout(heartbeat_interval_s):
+                    await outbox.wait()
             except TimeoutError:
                 items = [heartbeat()]
         for item in items:

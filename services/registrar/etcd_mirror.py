@@ -80,7 +80,8 @@ class EtcdMirror:
         if remaining <= 0:
             return False
         try:
-            await asyncio.wait_for(self._progress.wait(), remaining)
+            async with asyncio.timeout(remaining):
+                await self._progress.wait()
         except TimeoutError:
             return False
         return True

@@ -122,7 +122,8 @@ async def _attempt_sequential(router: Router, ctx: RequestContext, attempt: int,
     decode = DecodeLeg(router, ctx, d_endpoint, decode_body(ctx.body, params), ctx.leg_headers(d_span, ctx.client_request_id), d_span)
     limit = router.config.first_token_timeout_s if ctx.stream else router.config.request_timeout_s
     try:
-        await asyncio.wait_for(decode.open(), limit)
+        async with asyncio.timeout(limit):
+            await decode.open()
     except TimeoutError as exc:
         decode.close(abort=True, error="timeout")
         raise LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s", status=504) from exc

@@ -170,7 +170,8 @@ class DecodeLeg:
     async def next_line(self) -> bytes:
         """The next line of a streamed answer (b"" at its end), waiting at most first_token_timeout_s."""
         assert self.response is not None
-        return await asyncio.wait_for(self.response.content.readline(), self.router.config.first_token_timeout_s)
+        async with asyncio.timeout(self.router.config.first_token_timeout_s):
+            return await self.response.content.readline()
 
     def close(self, *, abort: bool, error: str | None = None) -> None:
         """Ends the leg; abort closes the connection, which makes vLLM abort the request."""
