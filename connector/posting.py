@@ -127,7 +127,6 @@ class Posting:
             if not self._may_post(job.order):
                 return  # the plan build or the CUDA sync outlasted the budget or the stream
             self._jobs[key] = job
-            job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
         elif not self._may_post_more(order):
             self._stop_parts(job, "the order's stream or write budget ran out while the parts of its WRITE were being posted")
             return
@@ -150,6 +149,8 @@ class Posting:
         job.parts = part
         job.posted_layers |= layers if layers is not None else self.local.layers
         job.more_parts = not final and not job.failed
+        # Each part may land up to write_timeout after its own post (A2): none is aborted before that.
+        job.abort_at = self.clock.now() + order.order.write_timeout.ToTimedelta().total_seconds()
         post_ns = self._wall_ns()
         if final:
             self.spans.emit("p.write_post", prep_ns, post_ns, ready, writes=len(job.writes), parts=part)
@@ -159,8 +160,6 @@ class Posting:
             # under P's request; the broker's context (D's registration for an early order) is a link.
             self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
                             links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
-        if job.failed and final:
-            self._finish(key, job, job.failed)
 
     def _stop_parts(self, job: Job, why: str) -> None:
         """No more parts for this job: it ends FAILED once the parts in flight are done (they may have landed)."""

@@ -10,9 +10,10 @@ The core is the state machine: it takes sources, orders, revocations,
 closures and engine events, keeps one job per (transfer_id, attempt), and
 answers for each. Its WRITEs are posted by Posting (posting.py, where the
 self-fencing checks are). A posted WRITE still in flight write_timeout
-later is aborted (its handle released before any progress call) and
-reported FAILED. A rank's answer to a revocation is the truth: REVOKED only
-when nothing was or will be posted.
+later is aborted (its handle released before this thread's next progress
+call) and reported FAILED: that it can land no later rests on assumption A2
+(docs/design.md, "Fencing"). A rank's answer to a revocation is the truth:
+REVOKED only when nothing was or will be posted.
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ class ProducerCore(Posting):
     # ---- progress ---------------------------------------------------------------------
 
     def step(self) -> float | None:
-        """Aborts overdue WRITEs (before any progress call), expires orders and sources, polls WRITEs."""
+        """Aborts overdue WRITEs (before this thread's progress calls), expires orders and sources, polls WRITEs."""
         now = self.clock.now()
         self._abort_overdue(now)
         for stream, valid_until in self._streams.items():
@@ -326,7 +327,7 @@ class ProducerCore(Posting):
         return min(due) if due else None
 
     def _abort_overdue(self, now: float) -> None:
-        """Releases WRITEs still in flight past their write timeout (before any call that makes progress)."""
+        """Releases WRITEs still in flight past their write timeout (before this thread's calls that make progress)."""
         for key, job in list(self._jobs.items()):
             if now >= job.abort_at:
                 timeout = job.order.order.write_timeout.ToTimedelta().total_seconds()

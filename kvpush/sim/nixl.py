@@ -1,15 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
 """Simulated NIXL: decode-side KV blocks with owners, and WRITEs that land (or not) with their notification.
 
-The transport model is the timing assumption kvpush states (docs/design.md):
-a posted WRITE lands within its write timeout or never (a stuck one fails
-at the transport's own timeout), and releasing its handle before it landed
-stops it. Landing bytes on a block that is not owned by the request the
-WRITE was ordered for is the safety violation the simulation hunts.
+The transport model is the timing assumption kvpush states (docs/design.md,
+A2): a posted WRITE lands within its write timeout or never (a stuck one
+fails at the transport's own timeout). Releasing its handle does not recall
+what the transport already sent (an RDMA put in the NIC, TCP fragments in
+the peer's socket): a released WRITE still lands when it would have, only
+without its notification. NIXL may also refuse a post (`failed_posts`).
+Landing bytes on a block that is not owned by the request the WRITE was
+ordered for is the safety violation the simulation hunts.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from kvpush.connector.nixl_agent import PostedWrite
@@ -113,8 +117,12 @@ class DecodeAgent:
 class ProducerTransport:
     """A prefill rank's agent (the Transport protocol of kvpush.connector.producer)."""
 
-    def __init__(self, process: Process, fabric: Fabric, name: str, write_time: tuple[float, float], stuck: float, violations: Violations):
+    def __init__(self, process: Process, fabric: Fabric, name: str, write_time: tuple[float, float], stuck: float, violations: Violations,
+                 *, failed_posts: float = 0.0):
         self.process = process
+        self.failed_posts = failed_posts
+        # Its own generator: schedules without refused posts stay as they were recorded (tests/sim/defects.py).
+        self._post_rng = random.Random(f"kvpush-sim-posts-{process.world.seed}-{name}")
         self.fabric = fabric
         self.name = name
         self.write_time = write_time
@@ -139,6 +147,8 @@ class ProducerTransport:
         pass
 
     def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite:
+        if self.failed_posts and self._post_rng.random() < self.failed_posts:
+            raise RuntimeError(f"NIXL WRITE to {peer} could not be posted")  # what Posting's transport raises
         parts = notif.decode().split("|")
         key = (parts[1], int(parts[2]))
         producer, part = int(parts[3]), int(parts[7])
@@ -156,8 +166,14 @@ class ProducerTransport:
         return PostedWrite(handle, peer, len(write.blocks), 1)
 
     def _land(self, write: SimWrite) -> None:
+        if write.state == "RELEASED":
+            # Released in flight: the bytes already sent land all the same, with no notification.
+            agent = self.fabric.agents.get(write.dest)
+            if agent is not None:
+                agent.memory.land(write.key, write.blocks, write.producer, write.tokens, f"{self.name}'s released WRITE")
+            return
         if write.state != "PROC":
-            return  # released (aborted) before it landed
+            return
         write.state = "DONE"
         agent = self.fabric.agents.get(write.dest)
         if agent is None:

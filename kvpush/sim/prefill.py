@@ -28,7 +28,8 @@ class PrefillRank:
         self.engine = engine
         sim = engine.sim
         self.transport = ProducerTransport(engine.proc, sim.fabric, f"{P_ENGINE}.{engine.incarnation}.tp{tp_rank}",
-                                           sim.timing.write_time, sim.faults.stuck_writes, sim.violations)
+                                           sim.timing.write_time, sim.faults.stuck_writes, sim.violations,
+                                           failed_posts=sim.faults.failed_posts)
         kv_layout = engine_pb2.KvLayout(total_kv_heads=2, regions=[engine_pb2.KvRegion(layer_index=layer) for layer in sorted(LAYERS)])
         layout = LocalLayout(kv_layout, tp_rank, engine.tp_size, 0)
         self.core = ProducerCore(self.transport, layout, P_ENGINE, self._report, NoSpans(), engine.proc, plan_writes=self._plan)

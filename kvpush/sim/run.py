@@ -43,6 +43,7 @@ def run_schedule(seed: int) -> Outcome:
     stats["schedules with message loss"] += faults.drop > 0
     stats["schedules with duplicates"] += faults.duplicate > 0
     stats["schedules with stuck WRITEs"] += faults.stuck_writes > 0
+    stats["schedules with refused posts"] += faults.failed_posts > 0
     stats["schedules with clock skew"] += faults.skew_s > 0
     stats["events"] += sim.world.events
     return Outcome(seed, [(v.kind, v.detail, v.time) for v in violations.items], stats)

@@ -11,7 +11,7 @@ router's retry policy (router.py).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.registrar.config import RegistrarConfig
@@ -55,7 +55,9 @@ class Simulation:
         # adding one leaves every schedule recorded before it (tests/sim/defects.py) as it was.
         self.variants = random.Random(f"kvpush-sim-variants-{seed}")
         self.timing = timing or Timing()
-        self.faults = Faults.draw(self.world.rng, self.timing.broker.max_clock_skew_s)
+        # Faults added later draw from their own generator too, for the same reason.
+        self.faults = replace(Faults.draw(self.world.rng, self.timing.broker.max_clock_skew_s),
+                              failed_posts=random.Random(f"kvpush-sim-failed-posts-{seed}").choice((0.0, 0.0, 0.1, 0.3)))
         self.violations = Violations(clock=self.world)
         self.network = Network(self.world, self.faults)
         self.fabric = Fabric()

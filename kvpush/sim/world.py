@@ -33,6 +33,7 @@ class Faults:
     collisions: int = 0  # requests reusing another request's transfer key
     malformed: int = 0  # decode legs with unreadable kvpush parameters
     stuck_writes: float = 0.0  # probability a WRITE never completes (the transport aborts it at its timeout)
+    failed_posts: float = 0.0  # probability NIXL refuses to post a WRITE (drawn apart: see Simulation)
     skew_s: float = 0.0  # wall clocks differ by up to this (within the broker's allowance)
 
     @staticmethod

@@ -151,6 +151,32 @@ def _prompt_not_compared():
     return patched((Posting, "_mismatch", staticmethod(count_only)))
 
 
+def _refused_post_releases_in_flight():
+    """R1. NIXL refusing the post of a WRITE's last part released the parts still in flight and answered FAILED at once."""
+    original = Posting._post_parts
+
+    def post_parts(self, key, job, *, final):
+        failed_before = job.failed
+        original(self, key, job, final=final)
+        if final and job.failed and not failed_before and key in self._jobs:
+            self._finish(key, job, job.failed)
+
+    return patched((Posting, "_post_parts", post_parts))
+
+
+def _abort_counted_from_first_part():
+    """R2. A layer-progressive WRITE was aborted write_timeout after its first part's post, its later parts still in flight."""
+    original = Posting._post_parts
+
+    def post_parts(self, key, job, *, final):
+        first_abort = job.abort_at if job.parts else None
+        original(self, key, job, final=final)
+        if first_abort is not None:
+            job.abort_at = first_abort
+
+    return patched((Posting, "_post_parts", post_parts))
+
+
 @dataclass(frozen=True)
 class Defect:
     number: str
@@ -167,23 +193,26 @@ class Defect:
 
 # Found by the simulation (seeds from `python tests/sim/defects.py`, which searches from seed 0).
 SIMULATED = [
-    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (436, 494, 724)),
+    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (456, 494, 724)),
     Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 16)),
-    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (37, 44, 191)),
-    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (38, 41, 49)),
+    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (44, 402, 438)),
+    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (41, 49, 59)),
     Defect(
         "4c",
         "hold margin not validated",
         _hold_margin_unchecked,
         "write-after-free",
-        (226, 1335, 1943),
+        (226, 305, 355),
         replace(Timing(), hold_margin_s=0.01),
     ),
     Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 4, 6)),
-    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 733, 974)),
+    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 974, 1078)),
     Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (444, 447, 462)),
-    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (1175, 2344, 2899)),
+    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (1175, 2344, 3274)),
     Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (1, 2, 3)),
+    # Found once the transport model stopped letting a release recall bytes already sent (kvpush/sim/nixl.py).
+    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (1, 13, 21)),
+    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (2, 11, 23)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random

@@ -23,6 +23,7 @@ def test_thousands_of_faulty_schedules_violate_no_invariant():
     for fault in ("kills", "pauses", "lease_outages", "stream_resets", "disconnects", "collisions", "malformed"):
         assert totals[f"fault {fault}"] > CI_SCHEDULES // 10, fault
     assert totals["schedules with stuck WRITEs"] > 0 and totals["schedules with message loss"] > 0
+    assert totals["schedules with refused posts"] > 0
 
 
 def test_a_seed_replays_exactly():
