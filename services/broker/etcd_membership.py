@@ -52,6 +52,7 @@ class EtcdMembership(MapMembership):
         self._lease_ttl_s = lease_ttl_s
         self._max_backoff_s = max_backoff_s
         self._closed = False
+        self._put_revision = 0  # of its key's latest put: deletions before it were of a key it held before
 
     def _held(self) -> bool:
         return self._lease is not None and self._lease.held()
@@ -77,9 +78,16 @@ class EtcdMembership(MapMembership):
 
     async def _hold_membership(self, backoff: Backoff) -> None:
         lease = self._lease = await KeptLease(self._client, self._lease_ttl_s).start()
+        members, revision = await self._read()
         shard = rv_pb.BrokerShard(member_id=self.member_id, address=self.address)
-        await self._client.put(self._key, shard.SerializeToString(), lease=lease.id)
-        follow = asyncio.create_task(self._follow(backoff), name=f"shard-map-{self.member_id}")
+        self._put_revision = await self._client.put(self._key, shard.SerializeToString(), lease=lease.id)
+        # Serving as soon as others can see the key, not one read later: the map read just
+        # before the put, plus this member; the watch from that read on brings whatever
+        # changed since, this put included.
+        members[self.member_id] = self.address
+        self.update(members, revision)
+        backoff.reset()
+        follow = asyncio.create_task(self._follow(backoff, revision), name=f"shard-map-{self.member_id}")
         lost = asyncio.create_task(lease.lost.wait(), name=f"shard-lease-{self.member_id}")
         try:
             await asyncio.wait((follow, lost), return_when=asyncio.FIRST_COMPLETED)
@@ -91,10 +99,8 @@ class EtcdMembership(MapMembership):
                 task.cancel()
             await asyncio.gather(follow, lost, return_exceptions=True)
 
-    async def _follow(self, backoff: Backoff) -> None:
-        """Lists the map, then follows it; a broken watch resumes where it stopped, a compacted one lists again."""
-        revision = await self._list()
-        backoff.reset()
+    async def _follow(self, backoff: Backoff, revision: int) -> None:
+        """Follows the map from the revision after `revision`; a broken watch resumes where it stopped, a compacted one lists again."""
         while True:
             try:
                 async with contextlib.aclosing(self._client.watch_prefix(self._prefix, start_revision=revision + 1)) as batches:
@@ -111,9 +117,13 @@ class EtcdMembership(MapMembership):
                 logger.info("shard map watch broke (%s); resuming from revision %d", exc, revision + 1)
                 await backoff.sleep()
 
-    async def _list(self) -> int:
+    async def _read(self) -> tuple[dict[str, str], int]:
+        """The map in etcd now (member -> address) and the revision it was read at."""
         kvs, revision = await self._client.get_prefix(self._prefix)
-        members = {self._member_of(kv.key): rv_pb.BrokerShard.FromString(kv.value).address for kv in kvs}
+        return {self._member_of(kv.key): rv_pb.BrokerShard.FromString(kv.value).address for kv in kvs}, revision
+
+    async def _list(self) -> int:
+        members, revision = await self._read()
         if self.member_id not in members:
             raise _Evicted(f"its key {self._key.decode()} is missing")
         self.update(members, revision)
@@ -128,12 +138,17 @@ class EtcdMembership(MapMembership):
         if event.type == "DELETE":
             members.pop(member_id, None)
             if member_id == self.member_id:
+                if event.kv.mod_revision < self._put_revision:
+                    members[member_id] = self.address  # its previous key lapsing before this put: not this one
+                    return
                 raise _Evicted(f"its key {self._key.decode()} was deleted")
         else:
             members[member_id] = rv_pb.BrokerShard.FromString(event.kv.value).address
 
     async def _drop_lease(self) -> None:
         lease, self._lease = self._lease, None
+        # Out of the map until its key is written again: with a new lease it must not serve on the old map meanwhile.
+        self._members = {member: address for member, address in self._members.items() if member != self.member_id}
         if lease is not None:
             self.notify()  # serving() turned false: the core ends what it served
             await lease.close()

@@ -108,3 +108,37 @@ async def test_losing_one_etcd_member_costs_the_membership_nothing(etcd_cluster,
         finally:
             await asyncio.to_thread(etcd_cluster.restart, 0)
         assert lapses == []
+
+
+async def test_its_previous_key_lapsing_as_it_joins_does_not_evict_it(etcd_cluster, etcd_prefix, etcd):
+    """A member serves from its own put on (the map it read just before, plus itself) and follows the watch from that read:
+    a deletion between the read and the put, its previous incarnation's lease lapsing, is not a deletion of its new key."""
+    key = brokers_prefix(etcd_prefix.decode()) + b"a"
+    old_lease, _ = await etcd.grant(TTL_S)
+    await etcd.put(key, b"", lease=old_lease)
+    client = EtcdClient(etcd_cluster.endpoints, timeout_s=2.0)
+    real_put = client.put
+
+    async def put(k, v, *, lease=0):
+        if k == key:
+            await etcd.revoke(old_lease)  # lapses after the member read the map, before its own put
+        return await real_put(k, v, lease=lease)
+
+    client.put = put
+    membership = EtcdMembership(client, member_id="a", prefix=etcd_prefix.decode(), lease_ttl_s=TTL_S, max_backoff_s=0.5)
+    membership.address = "127.0.0.1:1001"
+    history = []
+    membership.add_listener(lambda: history.append(membership.serving()))
+    task = asyncio.create_task(membership.run())
+    try:
+        await until(membership.serving)
+        await asyncio.sleep(1.0)  # the watch delivered the old key's deletion meanwhile
+        assert membership.serving()
+        assert False not in history[history.index(True):], history
+        assert (await etcd.get(key)).lease not in (0, old_lease)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await membership.close()
+        await client.close()
