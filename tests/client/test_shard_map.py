@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from fake_control_plane import Behaviour, serve
@@ -23,6 +24,16 @@ WAIT_S = 5.0
 
 def shard_map(target: str) -> ShardMap:
     return ShardMap(ClientConfig(target=target, default_timeout_s=2.0), backoff=Backoff(0.01, 0.05))
+
+
+@contextlib.asynccontextmanager
+async def following(target: str):
+    """A started ShardMap on target, closed on the way out."""
+    followed = shard_map(target)
+    try:
+        yield followed
+    finally:
+        await followed.close()
 
 
 def get(transfer_id: str) -> rv_pb.GetTransferRequest:
@@ -134,8 +145,7 @@ async def test_a_broken_stream_reconnects_and_an_older_map_is_ignored():
     async with members(cluster, ["m0", "m1"]) as served:
         both = dict(cluster.membership)
         await cluster.publish(both, revision=7)
-        followed = shard_map(served["m0"].address)
-        try:
+        async with following(served["m0"].address) as followed:
             assert await followed.wait_ready(WAIT_S)
             # A member that lags behind answers the reconnected stream with an older map: kept out.
             await cluster.break_streams()
@@ -147,8 +157,6 @@ async def test_a_broken_stream_reconnects_and_an_older_map_is_ignored():
             await eventually(lambda: followed.revision == 8)
             assert followed.members() == {"m1": both["m1"]}
             assert followed.owner("anything") == ("m1", both["m1"])
-        finally:
-            await followed.close()
 
 
 async def test_a_multi_address_seed_follows_the_map_through_the_member_that_answers():
@@ -156,12 +164,9 @@ async def test_a_multi_address_seed_follows_the_map_through_the_member_that_answ
     async with members(cluster, ["m0", "m1"]) as served:
         await cluster.publish(cluster.membership, revision=2)
         seed = multi_target([member.address for member in served.values()])
-        followed = shard_map(seed)
-        try:
+        async with following(seed) as followed:
             assert await followed.wait_ready(WAIT_S)
             assert followed.members() == cluster.membership
-        finally:
-            await followed.close()
 
 
 async def test_unimplemented_after_a_sharded_map_does_not_stop_following():
@@ -171,8 +176,7 @@ async def test_unimplemented_after_a_sharded_map_does_not_stop_following():
     async with members(cluster, ["m0", "m1"]) as served:
         both = dict(cluster.membership)
         await cluster.publish(both, revision=3)
-        followed = shard_map(served["m0"].address)
-        try:
+        async with following(served["m0"].address) as followed:
             assert await followed.wait_ready(WAIT_S)
             cluster.watch_unimplemented = True
             await cluster.break_streams()
@@ -181,8 +185,6 @@ async def test_unimplemented_after_a_sharded_map_does_not_stop_following():
             await cluster.publish({"m0": both["m0"]}, revision=4)
             await eventually(lambda: followed.revision == 4)
             assert followed.members() == {"m0": both["m0"]}
-        finally:
-            await followed.close()
 
 
 async def test_a_stream_whose_channel_closes_under_its_reader_fails_instead_of_cancelling_the_reader():

@@ -15,11 +15,13 @@ TTL_S = 2
 
 
 @contextlib.asynccontextmanager
-async def member(endpoints, prefix: bytes, member_id: str):
-    """A running EtcdMembership on its own client; left (lease revoked) on exit."""
-    client = EtcdClient(endpoints, timeout_s=2.0)
+async def member(endpoints, prefix: bytes, member_id: str, *, client: EtcdClient | None = None, listener=None):
+    """A running EtcdMembership on its own client (or client); left (lease revoked) on exit. listener hears every change from its start."""
+    client = client or EtcdClient(endpoints, timeout_s=2.0)
     membership = EtcdMembership(client, member_id=member_id, prefix=prefix.decode(), lease_ttl_s=TTL_S, max_backoff_s=0.5)
     membership.address = f"127.0.0.1:{1000 + len(member_id)}"
+    if listener is not None:
+        membership.add_listener(lambda: listener(membership))
     task = asyncio.create_task(membership.run())
     try:
         yield membership
@@ -125,20 +127,10 @@ async def test_its_previous_key_lapsing_as_it_joins_does_not_evict_it(etcd_clust
         return await real_put(k, v, lease=lease)
 
     client.put = put
-    membership = EtcdMembership(client, member_id="a", prefix=etcd_prefix.decode(), lease_ttl_s=TTL_S, max_backoff_s=0.5)
-    membership.address = "127.0.0.1:1001"
     history = []
-    membership.add_listener(lambda: history.append(membership.serving()))
-    task = asyncio.create_task(membership.run())
-    try:
-        await until(membership.serving)
+    async with member(etcd_cluster.endpoints, etcd_prefix, "a", client=client, listener=lambda m: history.append(m.serving())) as a:
+        await until(a.serving)
         await asyncio.sleep(1.0)  # the watch delivered the old key's deletion meanwhile
-        assert membership.serving()
+        assert a.serving()
         assert False not in history[history.index(True):], history
         assert (await etcd.get(key)).lease not in (0, old_lease)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await membership.close()
-        await client.close()
