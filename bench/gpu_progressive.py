@@ -9,7 +9,7 @@ for each layer's event and then either posts that layer's KV as one WRITE
 part (progressive: every layer but the last, which goes last with the
 notification naming the part count) or, without progression, posts the
 whole KV in one WRITE after the last layer. Both use kvpush's prepared page
-tables (KvAgent.post_pages, page_write over the layers of the part). D (a
+tables (KvAgent.make_pages and start, page_write over the layers of the part). D (a
 spawned child) poisons its cache before each sample, counts every part's
 notification and verifies every byte.
 
@@ -121,8 +121,10 @@ class Producer(ProducerSide):
                     if index == len(parts) - 1:
                         marks["compute_end"] = time.monotonic_ns()
                     pages = page_write(src, dst, self.local_pages, self.peer_pages, (0, tokens), frozenset(part))
-                    writes.append(self.agent.post_pages(self.peer, self.local_prepared, pages.local, self.peer_prepared, pages.remote,
-                                                        pages.bytes, notifs[index].encode()))
+                    write = self.agent.make_pages(self.peer, self.local_prepared, pages.local, self.peer_prepared, pages.remote,
+                                                  pages.bytes, notifs[index].encode())
+                    self.agent.start(write)
+                    writes.append(write)
                 marks["last_post"] = time.monotonic_ns()
                 deadline = time.monotonic() + self.timeout_s
                 while any(self.agent.poll(w) == "PROC" for w in writes):

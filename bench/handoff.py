@@ -64,6 +64,8 @@ SEGMENTS = (
     ("posted", ("p.prefill", "end"), ("p.write_post", "end")),
     ("p_saw_done", ("p.write_post", "end"), ("p.write_transfer", "end")),  # beside the chain: P's poll saw the WRITE complete
     ("scheduled", ("p.prefill", "end"), ("d.first_decode_step", "start")),
+    # Beside the chain: P's prefill (first scheduled -> its forward's end), where work moved into the forward would show.
+    ("prefill", ("p.prefill", "start"), ("p.prefill", "end")),
 )
 
 

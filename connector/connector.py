@@ -98,6 +98,11 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> KvpushHandshake | None:
         return self._worker.handshake()
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvpushMetadata):
+            self._worker.forward_starts(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._worker.start_load_kv(self._get_connector_metadata())
 

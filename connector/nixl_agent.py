@@ -36,8 +36,8 @@ class MemoryRange:
 
 
 @dataclass
-class PostedWrite:
-    """A WRITE in flight."""
+class NixlWrite:
+    """A WRITE request of this agent: made (its NIXL handle), then posted by start(); release() frees it, posted or not."""
 
     handle: object
     peer: str
@@ -130,9 +130,9 @@ class KvAgent:
         """
         self._agent.send_notif(peer, HELLO)
 
-    def post_write(self, peer: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_device: int, dst_device: int,
-                   notif: bytes) -> PostedWrite:
-        """Posts one WRITE of the given segments with a completion notification.
+    def make_write(self, peer: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_device: int, dst_device: int,
+                   notif: bytes) -> NixlWrite:
+        """Makes (does not post) one WRITE of the given segments with a completion notification.
 
         src_device is this rank's device, dst_device the peer rank's: a P/D pair
         on different device indexes must name each side's own.
@@ -141,11 +141,7 @@ class KvAgent:
         src_descs = self._agent.get_xfer_descs(np.stack([src, lengths, np.full(n, src_device, dtype=np.uint64)], axis=1), self.memory_kind)
         dst_descs = self._agent.get_xfer_descs(np.stack([dst, lengths, np.full(n, dst_device, dtype=np.uint64)], axis=1), self.memory_kind)
         handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notif)
-        state = self._agent.transfer(handle)
-        if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise RuntimeError(f"NIXL WRITE to {peer} could not be posted")
-        return PostedWrite(handle, peer, int(lengths.sum()), n)
+        return NixlWrite(handle, peer, int(lengths.sum()), n)
 
     def prepare_pages(self, peer: str | None, rows: np.ndarray) -> object:
         """Prepares a page table's descriptor list (NIXL strided rows) once: this agent's own (peer None) or a peer's."""
@@ -155,27 +151,34 @@ class KvAgent:
         """Frees a prepared list (before its peer is unloaded)."""
         self._agent.release_dlist_handle(prepared)
 
-    def post_pages(self, peer: str, local: object, local_entries: np.ndarray, remote: object, remote_entries: np.ndarray,
-                   nbytes: int, notif: bytes) -> PostedWrite:
-        """Posts one WRITE of prepared page entries (local[i] → remote[i]) with a completion notification.
+    def make_pages(self, peer: str, local: object, local_entries: np.ndarray, remote: object, remote_entries: np.ndarray,
+                   nbytes: int, notif: bytes) -> NixlWrite:
+        """Makes (does not post) one WRITE of prepared page entries (local[i] → remote[i]) with a completion notification.
 
         No descriptor list is built here: NIXL makes the request from the
         prepared lists and merges entries contiguous on both sides, which
-        costs less host time per WRITE than post_write's lists.
+        costs less host time per WRITE than make_write's lists.
         """
         handle = self._agent.make_prepped_xfer("WRITE", local, local_entries, remote, remote_entries, notif)
-        state = self._agent.transfer(handle)
-        if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise RuntimeError(f"NIXL WRITE to {peer} could not be posted")
-        return PostedWrite(handle, peer, nbytes, int(local_entries.size))
+        return NixlWrite(handle, peer, nbytes, int(local_entries.size))
 
-    def poll(self, write: PostedWrite) -> str:
+    def start(self, write: NixlWrite) -> None:
+        """Posts a made WRITE. A refused post frees it and raises: nothing of it is in flight."""
+        try:
+            state = self._agent.transfer(write.handle)
+        except Exception:
+            self._agent.release_xfer_handle(write.handle)
+            raise
+        if state == "ERR":
+            self._agent.release_xfer_handle(write.handle)
+            raise RuntimeError(f"NIXL WRITE to {write.peer} could not be posted")
+
+    def poll(self, write: NixlWrite) -> str:
         """Returns "DONE", "PROC" or "ERR"; progresses the agent."""
         return self._agent.check_xfer_state(write.handle)
 
-    def release(self, write: PostedWrite) -> None:
-        """Frees a finished WRITE's handle, or aborts one still in flight."""
+    def release(self, write: NixlWrite) -> None:
+        """Frees a WRITE's handle: a finished one, one never posted, or (aborting it) one still in flight."""
         self._agent.release_xfer_handle(write.handle)
 
     def notifications(self) -> dict[str, list[bytes]]:

@@ -7,7 +7,9 @@ has not run out; (2) the order's stream is still its broker member's current one
 stream lease (renewed by every message, heartbeats included) holds; (3) no
 WRITE for that (transfer_id, attempt) was posted before; (4) its source
 holds every token the destination needs. The checks run again right before
-the post, after the CUDA sync and the plan build. A later part of a
+the post, after the CUDA sync and the plan build. A WRITE may be made (its
+plan built, its NIXL request created) while the source's forward still
+runs; it is posted through the same checks, or freed unposted. A later part of a
 layer-progressive WRITE passes (1) and (2) again, or the job stops and ends
 FAILED once its parts in flight are done.
 
@@ -22,7 +24,7 @@ import logging
 
 from kvpush.connector.handoff import SourceReady, prompt_digest
 from kvpush.connector.notification import notification
-from kvpush.connector.producer_records import FAILED, REVOKED, Job, Key, Order, Source
+from kvpush.connector.producer_records import FAILED, REVOKED, Computing, Job, Key, MadeWrites, Order, Source
 from kvpush.connector.write_plans import Peer, WritePlan, build_write_plans, device_of
 from kvpush.rendezvous.v1 import transfer_pb2
 
@@ -35,8 +37,13 @@ class Posting:
     def _try_start(self, key: Key) -> None:
         source, order = self._sources.get(key), self._orders.get(key)
         computing = self._computing.get(key) if source is None else None
-        if order is None or (source is None and (computing is None or not self._progressive_layers(key, None))):
+        if order is None:
             return
+        if source is None:
+            if computing is not None and computing.whole:
+                self._make_ahead(computing, order)
+            if computing is None or not self._progressive_layers(key, None):
+                return
         destination = order.order.destination
         peer = self._peers.get(destination.engine_id)
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
@@ -108,13 +115,20 @@ class Posting:
         if peer is None or peer.incarnation != destination.incarnation:
             self._stop_parts(job, "the decode engine went away while the parts of its WRITE were being posted")
             return
+        made = self._take_made(key, job, peer) if final and not job.parts else None
         t0 = self._wall_ns()
         try:
-            if not final and self._computing[key].event is not None:
+            if final and job.source.ready_event is not None:
+                job.source.ready_event.synchronize()  # the forward that wrote these blocks has finished
+            elif not final and self._computing[key].event is not None:
                 self._computing[key].event.synchronize()  # the layers' forward has finished
-            plans = self._plan_writes(job.source, order, peer) if layers is None else self._plan_writes(job.source, order, peer, layers=layers)
+            if made is not None:
+                plans = made.plans
+            else:
+                plans = self._plan_writes(job.source, order, peer) if layers is None else self._plan_writes(job.source, order, peer, layers=layers)
         except Exception as exc:  # a plan that cannot be built fails the attempt, loudly
             logger.exception("kvpush producer: WRITE plan for %s could not be built", key)
+            self._discard_writes(made.writes if made is not None else [])
             if job.parts:
                 self._stop_parts(job, f"the WRITE plan could not be built: {exc}")
             else:
@@ -122,30 +136,27 @@ class Posting:
             return
         prep_ns = self._wall_ns()
         if final:
-            self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(p.descriptors for p in plans))
+            self.spans.emit("p.descriptor_prep", t0, prep_ns, ready, descriptors=sum(p.descriptors for p in plans), made_ahead=made is not None)
         if not job.parts:
             if not self._may_post(job.order):
+                self._discard_writes(made.writes if made is not None else [])
                 return  # the plan build or the CUDA sync outlasted the budget or the stream
             self._jobs[key] = job
         elif not self._may_post_more(order):
             self._stop_parts(job, "the order's stream or write budget ran out while the parts of its WRITE were being posted")
             return
         part = job.parts + 1
+        writes = made.writes if made is not None else [None] * len(plans)
         try:
-            for p in plans:
-                rank = peer.ranks[p.d_rank]
-                notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, p.expected, destination.first_token,
-                                     destination.num_tokens, part, part if final else 0)
-                if p.pages is not None:
-                    write = self.transport.post_pages(rank.agent, self._local_prepared, p.pages.local, rank.prepared, p.pages.remote,
-                                                      p.pages.bytes, notif)
-                else:
-                    write = self.transport.post_write(rank.agent, p.plan.src, p.plan.dst, p.plan.lengths, self.local.device,
-                                                      device_of(rank.layout), notif)
+            for i, p in enumerate(plans):
+                write = writes[i] or self._make_write(p, peer, ready, destination, part, final)
+                writes[i] = None
+                self.transport.start(write)  # a refused post frees its WRITE
                 job.writes.append(write)
         except Exception as exc:  # a WRITE that cannot be posted fails the attempt, loudly
             logger.exception("kvpush producer: WRITE for %s could not be posted", key)
             job.failed = str(exc)
+            self._discard_writes(writes)
         job.parts = part
         job.posted_layers |= layers if layers is not None else self.local.layers
         job.more_parts = not final and not job.failed
@@ -166,7 +177,65 @@ class Posting:
         job.failed = job.failed or why
         job.more_parts = False
 
+    def _make_write(self, plan: WritePlan, peer: Peer, ready: SourceReady, destination: transfer_pb2.Destination, part: int, final: bool):
+        """Makes (does not post) one part's WRITE to one decode rank, with its notification."""
+        rank = peer.ranks[plan.d_rank]
+        notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, plan.expected, destination.first_token,
+                             destination.num_tokens, part, part if final else 0)
+        if plan.pages is not None:
+            return self.transport.make_pages(rank.agent, self._local_prepared, plan.pages.local, rank.prepared, plan.pages.remote,
+                                             plan.pages.bytes, notif)
+        return self.transport.make_write(rank.agent, plan.plan.src, plan.plan.dst, plan.plan.lengths, self.local.device,
+                                         device_of(rank.layout), notif)
+
+    def _make_ahead(self, computing: Computing, order: Order) -> None:
+        """While a source's forward runs and its order is here: plan and make its WRITEs, so its end only posts them.
+
+        Nothing is posted here: the fencing checks run at the post as for any
+        WRITE, and the made WRITEs are used only if the order and the decode
+        engine are still the same objects then (else freed, and made again).
+        """
+        if computing.made is not None:
+            if computing.made.order is order:
+                return
+            self._discard_made(computing)
+        destination = order.order.destination
+        peer = self._peers.get(destination.engine_id)
+        if (peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks)
+                or self._mismatch(computing.ready, destination)[1]):
+            return  # decided when the source is ready
+        writes = []
+        try:
+            plans = self._plan_writes(Source(computing.ready, float("inf"), 0), order, peer)
+            for p in plans:
+                writes.append(self._make_write(p, peer, computing.ready, destination, 1, True))
+        except Exception:  # made again, or failed loudly, at the forward's end
+            logger.exception("kvpush producer: making the WRITE of %s ahead failed", (computing.ready.transfer_id, computing.ready.attempt))
+            self._discard_writes(writes)
+            return
+        computing.made = MadeWrites(order, peer, computing.ready, plans, writes)
+
+    def _take_made(self, key: Key, job: Job, peer: Peer) -> MadeWrites | None:
+        """The WRITEs made ahead for this job, if made for its very order, decode engine and source."""
+        computing = self._computing.get(key)
+        made = computing.made if computing is not None else None
+        if made is None:
+            return None
+        computing.made = None
+        if made.order is job.order and made.peer is peer and made.ready == job.source.ready:
+            return made
+        self._discard_writes(made.writes)
+        return None
+
+    def _discard_made(self, computing: Computing) -> None:
+        made, computing.made = computing.made, None
+        self._discard_writes(made.writes)
+
+    def _discard_writes(self, writes: list) -> None:
+        """Frees made WRITEs that were never posted (None entries were posted or freed already)."""
+        for write in writes:
+            if write is not None:
+                self.transport.release(write)
+
     def _build_plans(self, source: Source, order: Order, peer: Peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
-        if source.ready_event is not None:
-            source.ready_event.synchronize()  # the forward that wrote these blocks has finished
         return build_write_plans(self.local, source.ready, order.order, peer, layers)

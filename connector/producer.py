@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvpush.connector.handoff import SourceReady
-from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer_records import FAILED, REVOKED, WRITTEN, Computing, Job, Key, Order, Source
 from kvpush.connector.transfer_thread import TransferThread
@@ -47,12 +47,13 @@ class Transport(Protocol):
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, name: str) -> None: ...
     def warm_up(self, peer: str) -> None: ...
-    def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite: ...
+    def make_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> NixlWrite: ...
     def prepare_pages(self, peer: str | None, rows) -> object: ...
     def forget_pages(self, prepared: object) -> None: ...
-    def post_pages(self, peer: str, local, local_entries, remote, remote_entries, nbytes: int, notif: bytes) -> PostedWrite: ...
-    def poll(self, write: PostedWrite) -> str: ...
-    def release(self, write: PostedWrite) -> None: ...
+    def make_pages(self, peer: str, local, local_entries, remote, remote_entries, nbytes: int, notif: bytes) -> NixlWrite: ...
+    def start(self, write: NixlWrite) -> None: ...
+    def poll(self, write: NixlWrite) -> str: ...
+    def release(self, write: NixlWrite) -> None: ...
     def notifications(self) -> dict[str, list[bytes]]: ...
 
 
@@ -107,7 +108,7 @@ class ProducerCore(Posting):
         if kind == "source":
             self.source_ready(item[1], item[2])
         elif kind == "computing":
-            self.computing(item[1])
+            self.computing(item[1], item[2])
         elif kind == "layer":
             self.layer_done(item[1], item[2], item[3])
         elif kind == "stream":
@@ -144,16 +145,20 @@ class ProducerCore(Posting):
                 self._post_parts(key, job, final=True)
             else:
                 self._try_start(key)
-        self._computing.pop(key, None)
+        computing = self._computing.pop(key, None)
+        if computing is not None and computing.made is not None:
+            self._discard_made(computing)  # not posted: its order or peer changed, or the source failed its checks
         if self._prefill_done is not None:
             # After the post: with an early order the WRITE is already on its way; the broker needs this only to match.
             self._prefill_done(ready)
 
-    def computing(self, ready: SourceReady) -> None:
-        """Layer-progressive push: this source's forward has started; its layers may be written as they are computed."""
+    def computing(self, ready: SourceReady, whole: bool = False) -> None:
+        """This source's forward has started: its layers may be written as they are computed, or (whole) its WRITE made ahead."""
         key = (ready.transfer_id, ready.attempt)
-        if key not in self._closed and key not in self._outcomes and key not in self._sources:
-            self._computing[key] = Computing(ready)
+        if key not in self._closed and key not in self._outcomes and key not in self._sources and key not in self._computing:
+            self._computing[key] = Computing(ready, whole)
+            if whole:
+                self._try_start(key)
 
     def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
         """A layer of these computing sources is in P's cache (after `event`, on GPU)."""
@@ -247,6 +252,9 @@ class ProducerCore(Posting):
         if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED or (peer is not None and peer.incarnation != engine.incarnation):
             if peer is not None:
                 del self._peers[engine.engine_id]
+                for computing in self._computing.values():
+                    if computing.made is not None and computing.made.peer is peer:
+                        self._discard_made(computing)  # freed before the peer's agent is unloaded
                 for rank in peer.ranks.values():
                     self._retire(rank)
             if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED:
@@ -398,9 +406,9 @@ class Producer:
         """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
         self._thread.put(("source", ready, ready_event))
 
-    def computing(self, ready: SourceReady) -> None:
-        """Layer-progressive push: this source's forward starts now."""
-        self._thread.put(("computing", ready))
+    def computing(self, ready: SourceReady, whole: bool = False) -> None:
+        """This source's forward starts now: layer-progressive push follows its layers; whole: its WRITE is made ahead, posted at the end."""
+        self._thread.put(("computing", ready, whole))
 
     def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
         """Layer-progressive push: `layer` of these sources is computed (event: recorded after it, on GPU)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvpush.connector.handoff import SourceReady
-from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.rendezvous.v1 import transfer_pb2
 
 Key = tuple[str, int]
@@ -31,12 +31,25 @@ class Order:
 
 
 @dataclass
+class MadeWrites:
+    """The WRITEs of one order for a source whose forward is running, made ahead: posted at its end while the order and peer are the same."""
+
+    order: Order
+    peer: object  # the Peer they write to (write_plans.Peer)
+    ready: SourceReady
+    plans: list  # their WritePlans, for the descriptor count
+    writes: list[NixlWrite]  # made, not posted, one per plan
+
+
+@dataclass
 class Computing:
-    """Layer-progressive push: a source whose forward is running, and its layers computed so far."""
+    """A source whose forward is running: its layers computed so far (layer-progressive push), or its whole WRITE made ahead."""
 
     ready: SourceReady
+    whole: bool = False  # its KV is written whole at the forward's end: the WRITE may be made while the forward runs
     done: set[int] = field(default_factory=set)
     event: object = None  # CUDA event recorded after the newest computed layer
+    made: MadeWrites | None = None
 
 
 @dataclass
@@ -44,7 +57,7 @@ class Job:
     key: Key
     source: Source
     order: Order
-    writes: list[PostedWrite] = field(default_factory=list)
+    writes: list[NixlWrite] = field(default_factory=list)
     post_ns: int = 0
     abort_at: float = 0.0
     failed: str = ""

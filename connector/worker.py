@@ -169,6 +169,16 @@ class KvpushWorker:
 
     # ---- per step -------------------------------------------------------------------
 
+    def forward_starts(self, meta: KvpushMetadata) -> None:
+        """The step's metadata is bound: its forward runs next (vLLM calls start_load_kv only after launching it).
+
+        The transfer thread makes the WRITEs of the step's completing prefills
+        meanwhile, so the forward's end (wait_for_save) only has them posted.
+        """
+        if self.producer is not None and not self.progressive:
+            for source in meta.sources:
+                self.producer.computing(source, whole=True)
+
     def start_load_kv(self, meta: KvpushMetadata) -> None:
         if self.consumer is not None:
             for recv in meta.recvs:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.sim.checks import Violations
 from kvpush.sim.world import Process
 
@@ -129,6 +129,7 @@ class ProducerTransport:
         self.stuck = stuck
         self.violations = violations
         self.peers: set[str] = set()
+        self.made: dict[int, SimWrite] = {}  # made, not posted (kept until posted or released)
         self.in_flight: dict[int, SimWrite] = {}
         self._next = 0
         self.posted_keys: set[tuple[tuple[str, int], str, int]] = set()  # (key, decode agent, part)
@@ -141,29 +142,33 @@ class ProducerTransport:
     def remove_peer(self, name: str) -> None:
         if any(w.dest == name and w.state == "PROC" for w in self.in_flight.values()):
             self.violations.add("agent-unloaded-in-flight", f"{self.name} unloaded agent {name} with WRITEs to it in flight")
+        if any(w.dest == name for w in self.made.values()):
+            self.violations.add("agent-unloaded-in-flight", f"{self.name} unloaded agent {name} with WRITEs to it made and not freed")
         self.peers.discard(name)
 
     def warm_up(self, peer: str) -> None:
         pass
 
-    def post_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> PostedWrite:
-        if self.failed_posts and self._post_rng.random() < self.failed_posts:
-            raise RuntimeError(f"NIXL WRITE to {peer} could not be posted")  # what Posting's transport raises
+    def make_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> NixlWrite:
         parts = notif.decode().split("|")
-        key = (parts[1], int(parts[2]))
-        producer, part = int(parts[3]), int(parts[7])
-        if (key, peer, part) in self.posted_keys:
-            self.violations.add("double-write", f"{self.name} posted a second WRITE for {key} part {part} to {peer}")
-        self.posted_keys.add((key, peer, part))
-        write = SimWrite(key, peer, tuple(dst), producer, tuple(lengths), notif, self.name)
-        world = self.process.world
+        write = SimWrite((parts[1], int(parts[2])), peer, tuple(dst), int(parts[3]), tuple(lengths), notif, self.name)
         self._next += 1
-        handle = self._next
-        self.in_flight[handle] = write
+        self.made[self._next] = write
+        return NixlWrite(self._next, peer, len(write.blocks), 1)
+
+    def start(self, write: NixlWrite) -> None:
+        sim = self.made.pop(write.handle)
+        if self.failed_posts and self._post_rng.random() < self.failed_posts:
+            raise RuntimeError(f"NIXL WRITE to {write.peer} could not be posted")  # what KvAgent.start raises, the WRITE freed
+        part = int(sim.notif.decode().split("|")[7])
+        if (sim.key, sim.dest, part) in self.posted_keys:
+            self.violations.add("double-write", f"{self.name} posted a second WRITE for {sim.key} part {part} to {sim.dest}")
+        self.posted_keys.add((sim.key, sim.dest, part))
+        world = self.process.world
+        self.in_flight[write.handle] = sim
         if world.rng.random() >= self.stuck:
-            write.land_at = world.time + world.rng.uniform(*self.write_time)
-            world.at(write.land_at, self._land, write)
-        return PostedWrite(handle, peer, len(write.blocks), 1)
+            sim.land_at = world.time + world.rng.uniform(*self.write_time)
+            world.at(sim.land_at, self._land, sim)
 
     def _land(self, write: SimWrite) -> None:
         if write.state == "RELEASED":
@@ -187,13 +192,14 @@ class ProducerTransport:
         if self.fabric.agents.get(write.dest) is agent:
             agent.inbox.setdefault(self.name, []).append(write.notif)
 
-    def poll(self, write: PostedWrite) -> str:
+    def poll(self, write: NixlWrite) -> str:
         sim = self.in_flight[write.handle]
         if sim.state == "PROC" and sim.dest not in self.fabric.agents:
             sim.state = "ERR"  # the peer went away: the transport fails the transfer
         return sim.state
 
-    def release(self, write: PostedWrite) -> None:
+    def release(self, write: NixlWrite) -> None:
+        self.made.pop(write.handle, None)  # made, never posted: nothing was sent
         sim = self.in_flight.pop(write.handle, None)
         if sim is not None and sim.state == "PROC":
             sim.state = "RELEASED"

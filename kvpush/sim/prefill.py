@@ -130,7 +130,8 @@ class PrefillEngine:
         if self.progressive:  # earlier chunks have no KV to push: the last forward starts somewhere in the prefill
             forward_s = prefill_s * self.sim.variants.uniform(0.1, 0.7)
             self.proc.later(prefill_s - forward_s, self._forward_starts, request, forward_s)
-        else:
+        else:  # the last forward is the second half (no draw: schedules recorded before stay as they were)
+            self.proc.later(prefill_s / 2, self._whole_forward_starts, request)
             self.proc.later(prefill_s, self._prefill_done, request)
 
     def abort(self, req_id: str) -> None:
@@ -154,11 +155,20 @@ class PrefillEngine:
         request.computing = True
         ready = self._source(request)
         for rank in self.ranks:
-            rank.handle(("computing", ready))
+            rank.handle(("computing", ready, False))
         layers = sorted(LAYERS)
         for i, layer in enumerate(layers[:-1]):
             self.proc.later(forward_s * (i + 1) / len(layers), self._layer_done, request, layer)
         self.proc.later(forward_s, self._prefill_done, request)
+
+    def _whole_forward_starts(self, request: PrefillRequest) -> None:
+        """The last forward of a prefill written whole at its end: the ranks make its WRITE meanwhile."""
+        if request.aborted or self.requests.get(request.req_id) is not request:
+            return
+        request.computing = True
+        ready = self._source(request)
+        for rank in self.ranks:
+            rank.handle(("computing", ready, True))
 
     def _layer_done(self, request: PrefillRequest, layer: int) -> None:
         if self.requests.get(request.req_id) is request:
@@ -203,4 +213,5 @@ class PrefillEngine:
             core = rank.core
             out += [f"source {k}" for k in core._sources] + [f"order {k}" for k in core._orders] + [f"job {k}" for k in core._jobs]
             out += [f"computing {k}" for k in core._computing]
+            out += [f"made WRITE {w.key} to {w.dest}" for w in rank.transport.made.values()]
         return out

@@ -23,7 +23,7 @@ import torch
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
-from kvpush.connector.nixl_agent import KvAgent, PostedWrite
+from kvpush.connector.nixl_agent import KvAgent, NixlWrite
 from kvpush.connector.producer import Producer, ProducerCore
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout, build_write_plans
@@ -45,7 +45,35 @@ STREAM = 1  # the order stream generation the fixture opens
 WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
 
 
-class StalledWriteAgent(KvAgent):
+class RecordingAgent(KvAgent):
+    """A real KvAgent that records which WRITE calls were made, and in what order (each still does its real work)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[str] = []
+
+    def make_write(self, *args) -> NixlWrite:
+        self.calls.append("make")
+        return super().make_write(*args)
+
+    def make_pages(self, *args) -> NixlWrite:
+        self.calls.append("make")
+        return super().make_pages(*args)
+
+    def start(self, write: NixlWrite) -> None:
+        self.calls.append("start")
+        super().start(write)
+
+    def release(self, write: NixlWrite) -> None:
+        self.calls.append("release")
+        super().release(write)
+
+    def remove_peer(self, name: str) -> None:
+        self.calls.append(f"remove_peer {name}")
+        super().remove_peer(name)
+
+
+class StalledWriteAgent(RecordingAgent):
     """A real KvAgent whose WRITEs never report completion (poll() always says "PROC").
 
     The only stand-in in this file: NIXL over UCX loopback completes a WRITE
@@ -55,21 +83,9 @@ class StalledWriteAgent(KvAgent):
     calls are recorded so the test can check their order.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.calls: list[str] = []
-
-    def poll(self, write: PostedWrite) -> str:
+    def poll(self, write: NixlWrite) -> str:
         self.calls.append("poll")
         return "PROC"
-
-    def release(self, write: PostedWrite) -> None:
-        self.calls.append("release")
-        super().release(write)
-
-    def remove_peer(self, name: str) -> None:
-        self.calls.append(f"remove_peer {name}")
-        super().remove_peer(name)
 
     def notifications(self) -> dict[str, list[bytes]]:
         self.calls.append("notifications")
@@ -113,7 +129,7 @@ class Pair:
         self.p_layers, self.d_layers = kv_tensors(p_block, True), kv_tensors(d_block, False)
         self.p_layout, p_ranges, _ = layout_of(self.p_layers, p_block)
         self.d_layout, d_ranges, _ = layout_of(self.d_layers, d_block)
-        agent_type = StalledWriteAgent if stalled else KvAgent
+        agent_type = StalledWriteAgent if stalled else RecordingAgent
         self.p_agent, self.d_agent = agent_type("test-p", ["UCX"], "DRAM"), KvAgent("test-d", ["UCX"], "DRAM")
         self.p_agent.register(p_ranges)
         self.d_agent.register(d_ranges)
@@ -162,12 +178,12 @@ class Pair:
         self.producer.stream_message(stream, self.message(kind, transfer_id, **kwargs))
 
     def source(self, transfer_id: str = "t1", req_id: str = "p-req", blocks=(7, 2, 9, 4), num_tokens: int = 110, hold_s: float = 30.0,
-               prompt: Sequence[int] | None = None, *, computing: bool = False) -> SourceReady:
-        """The source is ready (the forward ended); computing: its forward only starts (layer-progressive push)."""
+               prompt: Sequence[int] | None = None, *, computing: bool = False, whole: bool = False) -> SourceReady:
+        """The source is ready (the forward ended); computing: its forward only starts (whole: its KV is written at the end)."""
         packed = packed_prompt(prompt) if prompt is not None else b""
         ready = SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0, packed)
         if computing:
-            self.producer.computing(ready)
+            self.producer.computing(ready, whole)
         else:
             self.producer.source_ready(ready)
         return ready

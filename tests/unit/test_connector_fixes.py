@@ -9,7 +9,7 @@ import numpy as np
 
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import SourceReady
-from kvpush.connector.nixl_agent import PostedWrite
+from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.connector.producer import Producer, ProducerCore
 from kvpush.connector.write_plans import LocalLayout, WritePlan
 from kvpush.engine.v1 import engine_pb2
@@ -27,7 +27,7 @@ class NoSpans:
 
 
 class RecordingTransport:
-    """Records post_write calls; the WRITE completes at once (no NIXL here: the call's arguments are under test)."""
+    """Records the WRITEs made and posted; each completes at once (no NIXL here: the calls' arguments are under test)."""
 
     def __init__(self):
         self.posts: list[dict] = []
@@ -41,9 +41,11 @@ class RecordingTransport:
     def warm_up(self, peer: str) -> None:
         pass
 
-    def post_write(self, peer, src, dst, lengths, src_device, dst_device, notif):
-        self.posts.append({"peer": peer, "src_device": src_device, "dst_device": dst_device})
-        return PostedWrite(len(self.posts), peer, 1, 1)
+    def make_write(self, peer, src, dst, lengths, src_device, dst_device, notif):
+        return NixlWrite({"peer": peer, "src_device": src_device, "dst_device": dst_device}, peer, 1, 1)
+
+    def start(self, write) -> None:
+        self.posts.append(write.handle)
 
     def poll(self, write) -> str:
         return "DONE"
@@ -87,7 +89,7 @@ def test_prefill_done_is_reported_after_the_early_orders_write_is_posted():
     """Issue 9: nothing control-plane-bound sits between the end of prefill and the WRITE post."""
     transport = RecordingTransport()
     events: list[str] = []
-    transport.post_write = lambda *args: events.append("post") or PostedWrite(1, "d0", 1, 1)
+    transport.start = lambda write: events.append("post")
     core = producer_with_early_order(transport, d_device=0, prefill_done=lambda ready: events.append(f"prefill-done {ready.transfer_id}"))
     core.source_ready(SourceReady("r", "t", 1, "r", "decode-0", ((0,),), 4, 10.0, "", 0, 0))
     core.source_ready(SourceReady("r2", "u", 1, "r2", "decode-0", ((1,),), 4, 10.0, "", 0, 0))  # no order yet: the broker matches it

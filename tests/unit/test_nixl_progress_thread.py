@@ -59,7 +59,9 @@ def test_progress_thread_sleeps_and_moves_a_write_with_its_notification():
         write, notes, deadline = None, [], time.monotonic() + WAIT_S
         while write is None and time.monotonic() < deadline:  # the connection is set up by the progress threads
             try:
-                write = producer.post_write(peer, src, dst, lengths, 0, 0, b"kvpush-test|1")
+                made = producer.make_write(peer, src, dst, lengths, 0, 0, b"kvpush-test|1")
+                producer.start(made)  # a refused post frees it
+                write = made
             except Exception:
                 time.sleep(0.01)
         assert write is not None, "the WRITE could not be posted within 10 s"
