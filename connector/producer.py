@@ -266,6 +266,10 @@ class ProducerCore(Posting):
             tp = registered.rank.tp_rank
             if tp in peer.ranks:
                 continue
+            returning = self._unretire(registered.nixl.agent_name)
+            if returning is not None:
+                peer.ranks[tp] = returning
+                continue
             name = self.transport.add_peer(registered.nixl.agent_metadata)
             self.transport.warm_up(name)
             peer.ranks[tp] = self._prepare(PeerRank(name, registered.layout))
@@ -275,6 +279,17 @@ class ProducerCore(Posting):
     def _retire(self, rank: PeerRank) -> None:
         """Unloads a peer rank's agent once no WRITE to it is in flight (step() does it)."""
         self._retiring.append(rank)
+
+    def _unretire(self, agent: str) -> PeerRank | None:
+        """A retiring rank whose agent came back before it was unloaded (its lease lapsed, then it registered again).
+
+        The agent is still loaded: it stays, with its prepared page table;
+        unloading it now would leave the engine's new entry without one.
+        """
+        rank = next((r for r in self._retiring if r.agent == agent), None)
+        if rank is not None:
+            self._retiring.remove(rank)
+        return rank
 
     def _prepare(self, rank: PeerRank) -> PeerRank:
         """Prepares the peer rank's page table (and this rank's, once) when both sides have one: WRITEs then post by index."""

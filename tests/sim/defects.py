@@ -177,6 +177,11 @@ def _abort_counted_from_first_part():
     return patched((Posting, "_post_parts", post_parts))
 
 
+def _returning_agent_unloaded():
+    """A1. A decode rank whose agent came back (lease lapsed, registered again) before P unloaded it was unloaded under its new entry."""
+    return patched((ProducerCore, "_unretire", lambda self, agent: None))
+
+
 @dataclass(frozen=True)
 class Defect:
     number: str
@@ -213,6 +218,8 @@ SIMULATED = [
     # Found once the transport model stopped letting a release recall bytes already sent (kvpush/sim/nixl.py).
     Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (1, 13, 21)),
     Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (2, 11, 23)),
+    # Found once P made its WRITEs during the forward (a made WRITE unloaded with its agent shows it).
+    Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (14734, 25911, 38845)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random

@@ -127,6 +127,21 @@ def test_a_removed_decode_engines_agent_is_unloaded_only_once_no_write_to_it_is_
     assert [r.outcome for r in stalled.reports] == [FAILED]
 
 
+def test_an_engine_back_before_its_agent_was_unloaded_keeps_the_agent(pair: Pair):
+    """Found by the simulation: its rank's lease lapsed and it registered again (same incarnation) before P's next
+    step; that step unloaded the agent the engine's new entry used, and no WRITE could reach it any more."""
+    pair.producer.engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_REMOVED, engine=pair.engine))
+    pair.producer.engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))
+    pair.step()
+    assert not [c for c in pair.p_agent.calls if c.startswith("remove_peer")]
+    pair.expect("t1", num_tokens=110)
+    pair.send("order", "t1", blocks=(5, 1), num_tokens=110)
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110)
+    assert pair.pump(pair.results) == ({"d-req"}, set())
+    assert pair.answers() == [("t1", WRITTEN, 0)]
+    pair.check_bytes((7, 2, 9, 4), (5, 1), 0, 110)
+
+
 def test_an_idle_removed_engines_agent_is_unloaded_at_the_next_step(stalled: Pair):
     stalled.producer.engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_REMOVED, engine=stalled.engine))
     stalled.producer.step()
