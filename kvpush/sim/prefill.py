@@ -150,12 +150,8 @@ class PrefillEngine:
 
     def _forward_starts(self, request: PrefillRequest, forward_s: float) -> None:
         """The last forward: each layer's KV is handed to the ranks as it is computed, the last with the source."""
-        if request.aborted or self.requests.get(request.req_id) is not request:
+        if not self._announce_forward(request, whole=False):
             return
-        request.computing = True
-        ready = self._source(request)
-        for rank in self.ranks:
-            rank.handle(("computing", ready, False))
         layers = sorted(LAYERS)
         for i, layer in enumerate(layers[:-1]):
             self.proc.later(forward_s * (i + 1) / len(layers), self._layer_done, request, layer)
@@ -163,12 +159,17 @@ class PrefillEngine:
 
     def _whole_forward_starts(self, request: PrefillRequest) -> None:
         """The last forward of a prefill written whole at its end: the ranks make its WRITE meanwhile."""
+        self._announce_forward(request, whole=True)
+
+    def _announce_forward(self, request: PrefillRequest, whole: bool) -> bool:
+        """Tells the ranks which source the last forward computes; False if the request went away first."""
         if request.aborted or self.requests.get(request.req_id) is not request:
-            return
+            return False
         request.computing = True
         ready = self._source(request)
         for rank in self.ranks:
-            rank.handle(("computing", ready, True))
+            rank.handle(("computing", ready, whole))
+        return True
 
     def _layer_done(self, request: PrefillRequest, layer: int) -> None:
         if self.requests.get(request.req_id) is request:
