@@ -14,12 +14,12 @@ after a restart, the key then moving to the new lease.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from kvpush.client.backoff import Backoff
 from kvpush.errors import KvpushError, Reason, Unavailable
-from kvpush.etcd.client import Compacted, EtcdClient, Event
+from kvpush.etcd.client import EtcdClient, Event, WatchBatch
+from kvpush.etcd.follow import follow_prefix
 from kvpush.etcd.lease import KeptLease
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.membership import MapMembership
@@ -87,7 +87,10 @@ class EtcdMembership(MapMembership):
         members[self.member_id] = self.address
         self.update(members, revision)
         backoff.reset()
-        follow = asyncio.create_task(self._follow(backoff, revision), name=f"shard-map-{self.member_id}")
+        follow = asyncio.create_task(
+            follow_prefix(self._client, self._prefix, relist=self._list, apply=self._apply_batch, backoff=backoff, revision=revision),
+            name=f"shard-map-{self.member_id}",
+        )
         lost = asyncio.create_task(lease.lost.wait(), name=f"shard-lease-{self.member_id}")
         try:
             await asyncio.wait((follow, lost), return_when=asyncio.FIRST_COMPLETED)
@@ -99,23 +102,11 @@ class EtcdMembership(MapMembership):
                 task.cancel()
             await asyncio.gather(follow, lost, return_exceptions=True)
 
-    async def _follow(self, backoff: Backoff, revision: int) -> None:
-        """Follows the map from the revision after `revision`; a broken watch resumes where it stopped, a compacted one lists again."""
-        while True:
-            try:
-                async with contextlib.aclosing(self._client.watch_prefix(self._prefix, start_revision=revision + 1)) as batches:
-                    async for batch in batches:
-                        members = dict(self.members())
-                        for event in batch.events:
-                            self._apply(members, event)
-                        revision = batch.revision
-                        self.update(members, revision)
-                        backoff.reset()
-            except Compacted:
-                revision = await self._list()
-            except KvpushError as exc:
-                logger.info("shard map watch broke (%s); resuming from revision %d", exc, revision + 1)
-                await backoff.sleep()
+    def _apply_batch(self, batch: WatchBatch) -> None:
+        members = dict(self.members())
+        for event in batch.events:
+            self._apply(members, event)
+        self.update(members, batch.revision)
 
     async def _read(self) -> tuple[dict[str, str], int]:
         """The map in etcd now (member -> address) and the revision it was read at."""

@@ -21,8 +21,8 @@ import time
 from google.protobuf.message import DecodeError
 
 from kvpush.client.backoff import Backoff
-from kvpush.errors import KvpushError
-from kvpush.etcd.client import Compacted, EtcdClient, KeyValue, WatchBatch
+from kvpush.etcd.client import EtcdClient, KeyValue, WatchBatch
+from kvpush.etcd.follow import follow_prefix
 from kvpush.services.common.clock import Clock
 from kvpush.services.registrar.directory import Directory, EngineRecord, Position, Rank, RemovalReason
 from kvpush.services.registrar.etcd_keys import EtcdKeys, decode_rank, lease_name
@@ -40,24 +40,10 @@ class EtcdMirror:
         self._keys = keys
         self._clock = clock
         self._max_backoff_s = max_backoff_s
-        self._listed = False
         self._progress = asyncio.Event()  # set (and replaced) whenever the directory moved on
 
     async def run(self) -> None:
-        backoff = Backoff(0.05, self._max_backoff_s)
-        while True:
-            try:
-                if not self._listed:
-                    await self._relist()
-                async for batch in self._client.watch_prefix(self._keys.root, start_revision=self.directory.revision + 1):
-                    self._apply(batch)
-                    backoff.reset()
-            except Compacted as exc:
-                logger.warning("etcd compacted the history past revision %d; listing the engines again", exc.compact_revision)
-                self._listed = False
-            except KvpushError as exc:
-                logger.warning("etcd watch of %s failed (%s); retrying in %.2fs", self._keys.engines.decode(), exc, backoff.delay_s)
-                await backoff.sleep()
+        await follow_prefix(self._client, self._keys.root, relist=self._relist, apply=self._apply, backoff=Backoff(0.05, self._max_backoff_s))
 
     async def caught_up(self, revision: int, timeout_s: float) -> bool:
         """Waits (at most timeout_s) until the directory applied revision; False if it did not."""
@@ -92,7 +78,7 @@ class EtcdMirror:
 
     # ----- listing -----
 
-    async def _relist(self) -> None:
+    async def _relist(self) -> int:
         kvs, revision = await self._client.get_prefix(self._keys.engines)
         listed: dict[str, dict[Position, KeyValue]] = {}
         incarnations: dict[str, str] = {}
@@ -126,10 +112,10 @@ class EtcdMirror:
             directory.advance(revision)
         else:
             directory.start_history(revision)
-        self._listed = True
         self.synced.set()
         self._moved_on()
         logger.info("mirrored %d engines from etcd at revision %d", directory.engine_count, revision)
+        return revision
 
     # ----- changes -----
 
