@@ -100,12 +100,13 @@ def start_control_plane(work_dir: Path, *, port: int = 0, env: Mapping[str, str 
     return ControlPlaneHandle(process, port, work_dir)
 
 
-def kvpush_transfer_config(role: str, engine_id: str, control_plane: ControlPlaneHandle, *, control_plane_address: str | None = None,
+def kvpush_transfer_config(role: str, engine_id: str, control_plane: TokenFiles, *, control_plane_address: str | None = None,
                            **extra: object) -> dict:
     """vLLM --kv-transfer-config for a kvpush engine; `extra` goes to kv_connector_extra_config.
 
     `control_plane_address` overrides where the engine reaches the control
-    plane (a proxy in front of it, say); its token stays the control plane's.
+    plane (a proxy in front of it, or a scaled plane's registrars, whose
+    broker target then comes in `extra`); its token stays the control plane's.
     """
     return {
         "kv_connector": "KvpushConnector",

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvpush.etcd.cluster import EtcdCluster
-from kvpush.localstack.control_plane import CONTROL_PLANE_START_TIMEOUT_S, DEFAULT_ENGINE_IDS, TokenFiles
+from kvpush.localstack.control_plane import CONTROL_PLANE_START_TIMEOUT_S, DEFAULT_ENGINE_IDS, TokenFiles, kvpush_transfer_config
 from kvpush.localstack.process import GroupProcess, free_port, wait_for_port_file
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, create_tokens
 
@@ -93,17 +93,7 @@ class ScaledControlPlane(TokenFiles):
 
     def transfer_config(self, role: str, engine_id: str, **extra: object) -> dict:
         """vLLM --kv-transfer-config of a kvpush engine on this control plane; `extra` goes to kv_connector_extra_config."""
-        return {
-            "kv_connector": "KvpushConnector",
-            "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}[role],
-            "engine_id": engine_id,
-            "kv_connector_extra_config": {
-                "control_plane": self.registrar_target,
-                "broker": self.broker_target,
-                "token_file": str(self.token_file_of(engine_id)),
-                **extra,
-            },
-        }
+        return kvpush_transfer_config(role, engine_id, self, control_plane_address=self.registrar_target, broker=self.broker_target, **extra)
 
     # ---- start and stop ------------------------------------------------------------------------
 
