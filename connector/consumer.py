@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvpush.connector.handoff import DestinationReady
+from kvpush.connector.handoff import DestinationReady, Key
 from kvpush.connector.nixl_agent import HELLO
 from kvpush.connector.notification import Notification, parse_notification
 from kvpush.connector.transfer_thread import TransferThread
@@ -36,8 +36,6 @@ logger = logging.getLogger(__name__)
 EARLY_NOTIFICATION_TTL_S = 60.0
 
 REPORTED_MEMORY = 10_000
-
-Key = tuple[str, int]
 
 
 @dataclass

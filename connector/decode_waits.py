@@ -30,13 +30,12 @@ import logging
 from dataclasses import dataclass
 
 from kvpush import shards
+from kvpush.connector.handoff import Key
 from kvpush.connector.params import TransferParams
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
-
-Key = tuple[str, int]
 
 
 @dataclass

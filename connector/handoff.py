@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 assert array("I").itemsize == 4, "a token id is packed as a uint32"
 
+Key = tuple[str, int]  # a transfer attempt: (transfer_id, attempt)
+
 
 def packed_prompt(token_ids: Sequence[int]) -> bytes:
     """The prompt's token ids as little-endian uint32s: any prefix's digest can be taken from it."""

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-NOTIF_PREFIX = "kvpush1"
+from kvpush.connector.handoff import Key
 
-Key = tuple[str, int]
+NOTIF_PREFIX = "kvpush1"
 
 
 def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int,

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvpush.connector.handoff import SourceReady
+from kvpush.connector.handoff import Key, SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.rendezvous.v1 import transfer_pb2
 
-Key = tuple[str, int]
 WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
 
 

@@ -7,9 +7,9 @@
 #   (KVPUSH_TOKEN_FILE: the router's own token file, `router` from `kvpush tokens`)
 #   DRY_RUN=1 MODE=pull ./run_sweep.sh      # print the commands, run nothing
 #
-# With the repository's sweep entry point (bench/sweep/) it runs that. Otherwise it starts
-# `kvpush router` in MODE and runs `vllm bench serve` per (QPS, input length, output length,
-# iteration), writing results/<mode>_qps<q>_in<in>_out<out>_iter<i>.json and .log.
+# It starts `kvpush router` in MODE and runs `vllm bench serve` per (QPS, input length, output
+# length, iteration), writing results/<mode>_qps<q>_in<in>_out<out>_iter<i>.json and .log.
+# (The repository's own sweep, which starts its engines itself, is `python -m bench.sweep`.)
 set -euo pipefail
 
 MODE=${MODE:?MODE must be push, pull or upstream-push}
