@@ -213,7 +213,7 @@ class Posting:
             logger.exception("kvpush producer: making the WRITE of %s ahead failed", (computing.ready.transfer_id, computing.ready.attempt))
             self._discard_writes(writes)
             return
-        computing.made = MadeWrites(order, peer, computing.ready, plans, writes)
+        computing.made = MadeWrites(order, peer, plans, writes)
 
     def _take_made(self, key: Key, job: Job, peer: Peer) -> MadeWrites | None:
         """The WRITEs made ahead for this job, if made for its very order, decode engine and source."""
@@ -222,7 +222,7 @@ class Posting:
         if made is None:
             return None
         computing.made = None
-        if made.order is job.order and made.peer is peer and made.ready == job.source.ready:
+        if made.order is job.order and made.peer is peer and computing.ready == job.source.ready:
             return made
         self._discard_writes(made.writes)
         return None

@@ -35,8 +35,7 @@ class MadeWrites:
 
     order: Order
     peer: object  # the Peer they write to (write_plans.Peer)
-    ready: SourceReady
-    plans: list  # their WritePlans, for the descriptor count
+    plans: list  # their WritePlans, posted in this order
     writes: list[NixlWrite]  # made, not posted, one per plan
 
 
