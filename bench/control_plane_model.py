@@ -55,6 +55,7 @@ import random
 import statistics
 import time
 
+from kvpush.etcd.lease import RENEWALS_PER_TTL
 from kvpush.shards import owner
 
 MEMBER = "kvpush-broker-{}"  # the StatefulSet's pod names (deploy/k8s/scaled/13-broker.yaml)
@@ -126,9 +127,10 @@ class Failover:
     def seconds(self, fleet: Fleet) -> tuple[float, float]:
         """(mean, worst) seconds until new transfers succeed again: the dead member's lease lapses, etcd's watch tells
         members and clients, the router's retry (a new attempt) rendezvous on the new owner. The member renewed every
-        ttl/3, so its lease lapses between 2/3 ttl and ttl after it died (5/6 ttl on average)."""
+        ttl/RENEWALS_PER_TTL (P), so its lease lapses between ttl - P and ttl after it died (ttl - P/2 on average)."""
         tail = self.watch_propagation_s + self.router_retry_s
-        return fleet.shard_lease_ttl_s * 5 / 6 + tail, fleet.shard_lease_ttl_s + tail
+        ttl = fleet.shard_lease_ttl_s
+        return ttl * (1 - 1 / (2 * RENEWALS_PER_TTL)) + tail, ttl + tail
 
 
 def bursts(fleet: Fleet, costs: Costs, shards: int) -> tuple[float, float, float]:
@@ -211,7 +213,7 @@ def etcd_writes_per_s(fleet: Fleet, shards: int) -> float:
 
 def etcd_lease_renewals_per_s(fleet: Fleet, shards: int) -> float:
     """Lease keep-alives etcd's leader answers (served by the leader, not written through raft): every rank's and member's."""
-    return registrar_keepalives_per_s(fleet) + shards / (fleet.shard_lease_ttl_s / 3)
+    return registrar_keepalives_per_s(fleet) + shards * RENEWALS_PER_TTL / fleet.shard_lease_ttl_s
 
 
 @dataclasses.dataclass(frozen=True)

@@ -239,7 +239,7 @@ async def _first_output_push(
             now = loop.time()
             if client_watch.done():
                 raise ClientGone()
-            if shard_lost.done() and not shard_lost.cancelled():
+            if not kv_arrived and shard_lost.done() and not shard_lost.cancelled():
                 raise shard_failure(router, ctx, attempt, d_endpoint, shard_lost.result(), "the decode leg had no output yet")
             if now >= deadline:
                 if not p_task.done():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kvpush.etcd.client import EtcdClient
 from kvpush.etcd.lease import KeptLease
 
 WAIT_S = 10.0
@@ -50,8 +51,29 @@ async def test_held_turns_false_within_the_ttl_once_etcd_stops_answering(etcd_cl
             with etcd_cluster.paused():
                 async with asyncio.timeout(WAIT_S):
                     await lease.lost.wait()
-                # The last renewal was sent at most ttl / 3 before the pause.
+                # The last renewal was sent at most ttl / RENEWALS_PER_TTL before the pause.
                 assert time.monotonic() - paused_at <= lease.ttl_s + 0.5
                 assert not lease.held()
         finally:
             etcd_cluster.wait_healthy()
+
+
+async def test_a_killed_leader_costs_no_lease(etcd_cluster, etcd):
+    # A renewal sent through a follower waits out the election (about a second
+    # here) and the lease stays held: only an election longer than
+    # ttl - ttl/RENEWALS_PER_TTL gives it up.
+    statuses = [await etcd.status(endpoint) for endpoint in etcd_cluster.endpoints]
+    leader = next(i for i, status in enumerate(statuses) if status.member_id == status.leader)
+    follower = etcd_cluster.endpoints[(leader + 1) % len(etcd_cluster.endpoints)]
+    client = EtcdClient([follower], timeout_s=5.0)
+    try:
+        async with KeptLease(client, 4) as lease:
+            etcd_cluster.kill(leader)
+            ends = time.monotonic() + lease.ttl_s + 1
+            while time.monotonic() < ends:
+                assert lease.held(), "the lease was given up during the election"
+                await asyncio.sleep(0.05)
+            assert await client.time_to_live(lease.id) > 0
+    finally:
+        await client.close()
+        etcd_cluster.restart(leader)

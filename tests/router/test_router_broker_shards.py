@@ -90,6 +90,7 @@ async def test_a_lost_broker_member_answers_503_when_no_attempt_is_left(spans):
 
 
 async def test_a_member_leaving_after_the_kv_arrived_changes_nothing(spans):
+    provider, exporter = spans
     cluster = Cluster()
     release = asyncio.Event()
 
@@ -103,10 +104,11 @@ async def test_a_member_leaving_after_the_kv_arrived_changes_nothing(spans):
         await cluster.publish(cluster.membership, revision=1)
         prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", decode_after_release))
         try:
-            async with router_under_test(port_of(served["seed"].address), [prefill], [decode], spans[0], early_poll_delay_s=0.05) as router:
+            async with router_under_test(port_of(served["seed"].address), [prefill], [decode], provider, early_poll_delay_s=0.05) as router:
                 assert await router.router.broker.shard_map.wait_ready(WAIT_S)
                 request = asyncio.create_task(router.post("/v1/completions", BODY))
-                await wait_until(lambda: any(call[0] == "GetTransfer" for call in served["m0"].calls))
+                # The router has m0's DONE answer (its poll's span ended), not just m0 the call.
+                await wait_until(lambda: any(span.name == "kvpush.rpc/GetTransfer" for span in exporter.get_finished_spans()))
                 cluster.membership = {"m1": served["m1"].address}
                 await cluster.publish(cluster.membership, revision=2)
                 await wait_until(lambda: router.router.broker.shard_map.revision == 2)
