@@ -14,7 +14,14 @@ to a newcomer still holds the attempt and fences it by these answers.
 An item answered NOT_SHARD_OWNER (the member's map differs from ours: a
 member joined or left and we have not heard yet) goes again to the owner
 that answer names, on that member's stream (opened for it if our map does
-not list it yet), at most MAX_REDIRECTS times. When a member leaves, the
+not list it yet), at most MAX_REDIRECTS times. An item answered
+BROKER_SHARD_LOST by a member that is not serving (it cannot be sure of its
+membership lease, after an etcd election say, and refuses everything before
+looking at it) goes again to its transfer's owner after a pause, RETRY_FIRST_S
+doubling to RETRY_MAX_S, while it is younger than the RPC timeout: the
+member applied nothing, so the repeat cannot double anything, and the member
+serving again (or the map without it) takes it, where the item would
+otherwise fail and leave its request to wait for its deadline. When a member leaves, the
 items it was never sent go to their new owners; those it was sent and did
 not answer are answered Unavailable (BROKER_SHARD_LOST): whether it applied
 them is unknown, as after a unary call whose server died. The seed ("")
@@ -39,6 +46,11 @@ SEED = ""
 # NOT_SHARD_OWNER answers one item follows: members' maps converge within a watch round trip, so more means a fault.
 MAX_REDIRECTS = 2
 
+
+# Pauses before an item a non-serving member refused goes again: a member unsure of its lease takes a new
+# one and serves again within a backoff step (0.1-2 s), a lapsed one leaves the map within its lease ttl.
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 0.8
 
 # How long a cancelled stream task gets to end before its member is removed without it.
 STOP_WAIT_S = 5.0
@@ -94,7 +106,7 @@ class ReportRouter:
         """Opens the member's stream (nothing if it has one); items waiting for any member go out."""
         if member in self._streams:
             return
-        stream = ReportStream(broker, self._engine_id, self._loop, self._timeout_s, self._closed, redirect=self._redirect)
+        stream = ReportStream(broker, self._engine_id, self._loop, self._timeout_s, self._closed, reroute=self._reroute)
         self._streams[member] = (stream, asyncio.ensure_future(stream.run()))
         self._sharded = self._sharded or member != SEED
         parked, self._parked = self._parked, []
@@ -158,6 +170,25 @@ class ReportRouter:
         for report in expired:
             deliver(report, None, errors.Unavailable(f"no broker member to send to within {self._timeout_s:g}s",
                                                      reason=errors.Reason.BROKER_SHARD_LOST))
+
+    def _reroute(self, report: Report, error: errors.KvpushError) -> bool:
+        """A shard refusal (the member applied nothing): the item goes on (True), or its sender gets the error (False)."""
+        if error.reason == errors.Reason.NOT_SHARD_OWNER:
+            return self._redirect(report, error)
+        return self._retry_later(report)
+
+    def _retry_later(self, report: Report) -> bool:
+        """A member that is not serving refused the item: it goes again, after a pause, to its transfer's owner then."""
+        delay = min(RETRY_FIRST_S * 2 ** report.retries, RETRY_MAX_S)
+        if self._loop.time() + delay >= report.expires:
+            return False
+        report.retries += 1
+        self._loop.call_later(delay, self._send_again, report)
+        return True
+
+    def _send_again(self, report: Report) -> None:
+        if not self._closed():
+            self._route([report])
 
     def _redirect(self, report: Report, error: errors.KvpushError) -> bool:
         """A NOT_SHARD_OWNER answer: the item goes to the owner it names (True), or gets the error (False)."""

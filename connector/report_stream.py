@@ -17,8 +17,10 @@ unary call's deadline would: whether the broker applied it is unknown.
 
 With a sharded broker an engine keeps one such stream per broker member
 (ReportRouter, report_routing.py, sends each item to its transfer's owner);
-an item a member refuses as not its own (NOT_SHARD_OWNER) goes back to the
-router through `redirect` instead of to its sender.
+an item a member refuses as not its own (NOT_SHARD_OWNER), or refuses while
+it is not serving (BROKER_SHARD_LOST: unsure of its membership lease, it
+applied nothing), goes back to the router through `reroute` instead of to
+its sender.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 logger = logging.getLogger(__name__)
 
 KINDS = ("registrations", "prefill_done", "write_results", "cancels")
+# Refusals that say the member applied nothing because of the shard map: the item may go again.
+SHARD_REFUSALS = frozenset((errors.Reason.NOT_SHARD_OWNER, errors.Reason.BROKER_SHARD_LOST))
 # Items per message: keeps a batch far below gRPC's 4 MiB message limit.
 MAX_BATCH_ITEMS = 256
 
@@ -61,16 +65,17 @@ class Report:
     member: str = ""  # the broker member whose stream it is queued on
     sent: bool = False  # it left on that member's stream (the member may have applied it)
     redirects: int = 0  # NOT_SHARD_OWNER answers it followed
+    retries: int = 0  # BROKER_SHARD_LOST refusals it was sent again after
 
 
 class ReportStream:
     """Batches an engine's reports onto its EngineReports stream; lives on a ControlSession's loop."""
 
     def __init__(self, broker: BrokerClient, engine_id: str, loop: asyncio.AbstractEventLoop, timeout_s: float,
-                 closed: Callable[[], bool], *, redirect: Callable[[Report, errors.KvpushError], bool] | None = None):
-        """redirect(report, error), on a NOT_SHARD_OWNER answer, returns True when it took the item over (its sender hears nothing yet)."""
+                 closed: Callable[[], bool], *, reroute: Callable[[Report, errors.KvpushError], bool] | None = None):
+        """reroute(report, error), on a shard refusal (the member applied nothing), returns True when it took the item over (its sender hears nothing yet)."""
         self._broker = broker
-        self._redirect = redirect
+        self._reroute = reroute
         self._engine_id = engine_id
         self._loop = loop
         self._timeout_s = timeout_s
@@ -183,7 +188,7 @@ class ReportStream:
                     for report, answer in zip(items, answers):
                         if answer.WhichOneof("result") == "error":
                             error = status.from_item_error(answer.error)
-                            if error.reason == errors.Reason.NOT_SHARD_OWNER and self._redirect is not None and self._redirect(report, error):
+                            if error.reason in SHARD_REFUSALS and self._reroute is not None and self._reroute(report, error):
                                 continue
                             deliver(report, None, error)
                         else:

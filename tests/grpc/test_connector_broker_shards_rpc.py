@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 from rpc_harness import identity_tokens, token_of
 
+from kvpush import errors
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker import servicer as broker_servicer
@@ -46,10 +48,16 @@ class Member:
     membership: MapMembership
     running: RunningServer
     runner: asyncio.Task
+    lease_held: bool = True  # what its membership's held() says: surely holding its lease
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.running.port}"
+
+    def set_lease(self, held: bool) -> None:
+        """Whether the member can be sure of its lease (not during an etcd election, say), told as EtcdMembership tells it."""
+        self.lease_held = held
+        self.membership.notify()
 
 
 @contextlib.asynccontextmanager
@@ -63,7 +71,7 @@ async def broker_members(member_ids: list[str]) -> AsyncIterator[dict[str, Membe
     members: dict[str, Member] = {}
     try:
         for member_id in member_ids:
-            membership = MapMembership(member_id, lambda: True)
+            membership = MapMembership(member_id, lambda m=member_id: members[m].lease_held)
             core = BrokerCore(registrar, FAST, clock, membership=membership)
             service = Service(broker_servicer.SERVICE_NAME, rv_grpc.add_RendezvousServiceServicer_to_server,
                               broker_servicer.BrokerServicer(core, Authenticator(mtls=False)))
@@ -115,3 +123,37 @@ async def test_registrations_reach_their_owners_and_a_dead_members_requests_fail
             clock.advance(12.0)
             fails, _ = waits.due()
             assert fails[f"d-{t_b}"].startswith("END_REASON_BROKER_SHARD_LOST")
+
+
+async def test_a_registration_a_member_refused_while_unsure_of_its_lease_reaches_it_once_it_serves_again():
+    async with broker_members(["a", "b"]) as members:
+        with decode_session(members["a"].address, token_of("decode-0"), "test-broker-shards") as decode:
+            session, waits, answers, register, drain = decode.session, decode.waits, decode.answers, decode.register, decode.drain
+            await eventually(lambda: session.members() == {"a", "b"})
+            (t_b,) = owned("b", {"a", "b"}, 1)
+            members["b"].set_lease(False)  # b serves nothing, and refuses what reaches it (UNAVAILABLE BROKER_SHARD_LOST)
+            register(t_b)
+            await asyncio.sleep(0.4)  # refused and sent again several times meanwhile
+            assert t_b not in answers
+            members["b"].set_lease(True)  # a new lease, or the old one renewed: b serves again, with the same map
+            await eventually(lambda: t_b in answers)
+            assert answers[t_b][1] is None, answers[t_b][1]
+            assert members["b"].core.get_transfer(t_b).state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+            drain()
+            assert waits.get(f"d-{t_b}").member == "b" and not waits.get(f"d-{t_b}").failure
+
+
+async def test_a_registration_a_member_keeps_refusing_gets_the_refusal_within_the_rpc_timeout():
+    async with broker_members(["a", "b"]) as members:
+        with decode_session(members["a"].address, token_of("decode-0"), "test-broker-shards") as decode:
+            session, answers, register = decode.session, decode.answers, decode.register
+            await eventually(lambda: session.members() == {"a", "b"})
+            (t_b,) = owned("b", {"a", "b"}, 1)
+            members["b"].set_lease(False)
+            sent = time.monotonic()
+            register(t_b)
+            await eventually(lambda: t_b in answers, timeout_s=5.0)
+            error = answers[t_b][1]
+            assert isinstance(error, errors.Unavailable) and error.reason == errors.Reason.BROKER_SHARD_LOST, error
+            assert time.monotonic() - sent <= decode.session.config.rpc_timeout_s + 0.5
+
