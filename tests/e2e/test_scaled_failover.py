@@ -25,6 +25,8 @@ pytestmark = pytest.mark.engine
 TIMED_TARGET = f"shard-kill: its transfers succeed again <= {FAILOVER_TARGET_S:g} s after the kill"
 # The loggers whose lines say what a process knew of the shard map and its members (printed when the test fails).
 MAP_LINES = ("kvpush.client.shard_map", "kvpush.connector.control")
+# A broker member's own: its etcd lease given up, its place in the map lost and taken again.
+MEMBER_LINES = ("kvpush.etcd.lease", "kvpush.services.broker.etcd_membership")
 
 
 def test_the_scaled_control_plane_fails_over(model_dir, tmp_path):
@@ -47,10 +49,12 @@ def test_the_scaled_control_plane_fails_over(model_dir, tmp_path):
 
 
 def map_log(run_dir: Path, last: int = 12) -> str:
-    """The last lines about the shard map in each engine's and the router's log: who heard a member leave, and when."""
+    """The last lines about the shard map in each engine's and the router's log (who heard a member leave, and when), and
+    each broker member's lines about its own lease and place in the map."""
+    logs = [(run_dir / f"{name}.log", MAP_LINES) for name in ("prefill", "decode", "router")]
+    logs += [(path, MEMBER_LINES) for path in sorted((run_dir / "control-plane").glob("broker-*.log"))]
     parts = []
-    for name in ("prefill", "decode", "router"):
-        path = run_dir / f"{name}.log"
-        lines = [line for line in path.read_text(errors="replace").splitlines() if any(k in line for k in MAP_LINES)] if path.exists() else []
-        parts.append(f"--- {name}.log, shard map lines ({len(lines)}, last {last}):\n" + "\n".join(lines[-last:]))
+    for path, loggers in logs:
+        lines = [line for line in path.read_text(errors="replace").splitlines() if any(k in line for k in loggers)] if path.exists() else []
+        parts.append(f"--- {path.name}, shard map lines ({len(lines)}, last {last}):\n" + "\n".join(lines[-last:]))
     return "\n".join(parts)
