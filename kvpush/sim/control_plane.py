@@ -4,15 +4,22 @@
 Unary calls may be lost, doubled, delayed or time out (Rpc retries them as
 the kvpush client does); streams deliver in order and can break (EngineLink
 reopens them, and keeps an engine rank registered, as ControlSession does).
+
+The broker is one member of a shard map (MapMembership), so it can doubt its
+membership lease (an etcd election): it then stops serving, ends its live
+attempts BROKER_SHARD_LOST and refuses everything, until it is sure again.
+An engine sends a report it refused that way again after a pause, as
+connector/report_routing.py does.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvpush.errors import KvpushError, Unavailable
+from kvpush.errors import KvpushError, Reason, Unavailable
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.membership import MapMembership
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RegistrarCore
 from kvpush.sim.deployment import BLOCK_SIZE
@@ -20,6 +27,13 @@ from kvpush.sim.world import Process, Stream
 
 if TYPE_CHECKING:
     from kvpush.sim.simulation import Simulation
+
+BROKER_MEMBER = "broker-0"
+# An engine's per-request messages (EngineReports items in the connector): a refusal by a member that is not serving
+# (BROKER_SHARD_LOST) sends them again after RESEND_FIRST_S, doubling to RESEND_MAX_S, while the call has time left.
+REPORTS = frozenset(("RegisterDestination", "ReportPrefillDone", "ReportWriteResult", "CancelTransfer"))
+RESEND_FIRST_S = 0.05
+RESEND_MAX_S = 0.8
 
 
 class Rpc:
@@ -33,24 +47,37 @@ class Rpc:
 
     def call(self, method: str, request, on_done=None, *, tries: int | None = None) -> None:
         """on_done(response, error); error is Unavailable when no answer came in time after every try."""
-        state = {"done": False}
+        state = {"done": False, "resends": 0, "refusal": None}
         tries = tries or self.sim.timing.rpc_tries
+        give_up_at = self.sim.world.time + tries * self.sim.timing.rpc_timeout_s
+        resends_refused = method in REPORTS and self.caller != "router"
 
-        def finish(response, error) -> None:
-            if not state["done"]:
-                state["done"] = True
-                if on_done is not None:
-                    on_done(response, error)
+        def finish(response, error, *, last: bool = False) -> None:
+            if state["done"]:
+                return
+            if not last and resends_refused and getattr(error, "reason", None) == Reason.BROKER_SHARD_LOST:
+                delay = min(RESEND_FIRST_S * 2 ** state["resends"], RESEND_MAX_S)
+                if self.sim.world.time + delay < give_up_at:
+                    state["resends"] += 1
+                    state["refusal"] = error
+                    self.client.later(delay, send)
+                    return
+            state["done"] = True
+            if on_done is not None:
+                on_done(response, error)
+
+        def send() -> None:
+            if not state["done"] and self.sim.world.time >= self.cut_until:
+                self.sim.cp.receive(self, method, request, finish)
 
         def attempt(n: int) -> None:
             if state["done"]:
                 return
-            if self.sim.world.time >= self.cut_until:
-                self.sim.cp.receive(self, method, request, finish)
+            send()
             if n + 1 < tries:
                 self.client.later(self.sim.timing.rpc_timeout_s, attempt, n + 1)
             else:
-                self.client.later(self.sim.timing.rpc_timeout_s, finish, None, Unavailable(f"{method}: no answer"))
+                self.client.later(self.sim.timing.rpc_timeout_s, lambda: finish(None, state["refusal"] or Unavailable(f"{method}: no answer"), last=True))
 
         attempt(0)
 
@@ -71,7 +98,10 @@ class ControlPlane:
 
     def start(self) -> None:
         self.registrar = RegistrarCore(self.sim.timing.registrar, self.proc, new_lease_id=self._new_lease_id)
-        self.broker = BrokerCore(self.registrar, self.sim.timing.broker, self.proc)
+        self.lease_sure = True  # the broker member surely holds its membership lease
+        self.membership = MapMembership(BROKER_MEMBER, lambda: self.lease_sure)
+        self.membership.update({BROKER_MEMBER: self.proc.name}, 1)
+        self.broker = BrokerCore(self.registrar, self.sim.timing.broker, self.proc, membership=self.membership)
         self.streams = []
         self._next_tick = float("inf")
         self._tick()
@@ -177,6 +207,21 @@ class ControlPlane:
         if due and min(due) < self._next_tick:
             self._next_tick = min(due)
             self.proc.later(max(0.0, self._next_tick - self.proc.now()) + 1e-6, self._tick, self._next_tick)
+
+    def doubt_lease(self, seconds: float) -> None:
+        """The member cannot be sure of its lease for a while (etcd electing a leader), then is again, its state kept."""
+        generation = self.proc.generation
+        self._set_lease_sure(False)
+        self.sim.world.at(self.sim.world.time + seconds, self._sure_again, generation)
+
+    def _sure_again(self, generation: int) -> None:
+        if self.proc.alive and self.proc.generation == generation:
+            self._set_lease_sure(True)
+
+    def _set_lease_sure(self, sure: bool) -> None:
+        self.lease_sure = sure
+        self.membership.notify()  # the core acts on it: ends or resumes serving
+        self._tick()
 
     def kill(self, downtime: float) -> None:
         self.proc.kill()

@@ -38,7 +38,7 @@ def run_schedule(seed: int) -> Outcome:
         stats["answered ok" if request.ok else "answered failed"] += 1
         stats["attempts"] += request.attempt
     faults = sim.faults
-    for name in ("stream_resets", "lease_outages", "pauses", "kills", "disconnects", "collisions", "malformed"):
+    for name in ("stream_resets", "lease_outages", "pauses", "kills", "disconnects", "collisions", "malformed", "lease_doubts"):
         stats[f"fault {name}"] += getattr(faults, name)
     stats["schedules with message loss"] += faults.drop > 0
     stats["schedules with duplicates"] += faults.duplicate > 0

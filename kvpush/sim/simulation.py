@@ -56,8 +56,10 @@ class Simulation:
         self.variants = random.Random(f"kvpush-sim-variants-{seed}")
         self.timing = timing or Timing()
         # Faults added later draw from their own generator too, for the same reason.
+        self._doubts = random.Random(f"kvpush-sim-lease-doubts-{seed}")
         self.faults = replace(Faults.draw(self.world.rng, self.timing.broker.max_clock_skew_s),
-                              failed_posts=random.Random(f"kvpush-sim-failed-posts-{seed}").choice((0.0, 0.0, 0.1, 0.3)))
+                              failed_posts=random.Random(f"kvpush-sim-failed-posts-{seed}").choice((0.0, 0.0, 0.1, 0.3)),
+                              lease_doubts=self._doubts.choice((0, 0, 1, 2)))
         self.violations = Violations(clock=self.world)
         self.network = Network(self.world, self.faults)
         self.fabric = Fabric()
@@ -105,6 +107,8 @@ class Simulation:
             at = rng.uniform(0.3, horizon + 0.5)
             twin.deadline = at + twin.timeout_s
             world.at(at, self._collide, twin, victim)
+        for _ in range(f.lease_doubts):
+            world.at(self._doubts.uniform(0.2, horizon + 1.0), self._doubt_lease, self._doubts.uniform(0.05, 1.5))
         for i in range(f.malformed):
             bad = ClientRequest(2000 + i, f"m{i}", 40, 1.0, 0.0)
             at = rng.uniform(0.3, horizon)
@@ -123,6 +127,10 @@ class Simulation:
         """A network cut between an engine and the control plane (NIXL stays up)."""
         engine.rpc.cut_until = self.world.time + seconds
         self.cp.break_streams(engine.proc, self.world.rng.uniform(0.0, seconds))
+
+    def _doubt_lease(self, seconds: float) -> None:
+        if self.cp.proc.alive:
+            self.cp.doubt_lease(seconds)
 
     def _pause(self, seconds: float) -> None:
         self.prefill.proc.paused_until = self.world.time + seconds

@@ -34,6 +34,7 @@ class Faults:
     malformed: int = 0  # decode legs with unreadable kvpush parameters
     stuck_writes: float = 0.0  # probability a WRITE never completes (the transport aborts it at its timeout)
     failed_posts: float = 0.0  # probability NIXL refuses to post a WRITE (drawn apart: see Simulation)
+    lease_doubts: int = 0  # windows in which the broker member cannot be sure of its lease (drawn apart too)
     skew_s: float = 0.0  # wall clocks differ by up to this (within the broker's allowance)
 
     @staticmethod

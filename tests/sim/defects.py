@@ -20,6 +20,7 @@ from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
 from kvpush.rendezvous.v1 import transfer_pb2
+from kvpush.services.broker import attempts as a
 from kvpush.services.broker import checks
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.machine import AttemptMachine
@@ -182,6 +183,19 @@ def _returning_agent_unloaded():
     return patched((ProducerCore, "_unretire", lambda self, agent: None))
 
 
+def _lease_doubt_fences_at_once():
+    """L1. A broker member unsure of its lease fenced the attempts it ended at once, as if its orders could no longer be acted on."""
+    original = AttemptMachine.end
+
+    def end(self, att, state, reason, detail, now):
+        if reason == transfer_pb2.END_REASON_BROKER_SHARD_LOST:
+            for _, order in att.unanswered():
+                order.answer = a.TIMED_OUT
+        original(self, att, state, reason, detail, now)
+
+    return patched((AttemptMachine, "end", end))
+
+
 @dataclass(frozen=True)
 class Defect:
     number: str
@@ -199,27 +213,29 @@ class Defect:
 # Found by the simulation (seeds from `python tests/sim/defects.py`, which searches from seed 0).
 SIMULATED = [
     Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (456, 494, 724)),
-    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 16)),
-    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (44, 402, 438)),
+    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 21)),
+    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (402, 438, 728)),
     Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (41, 49, 59)),
     Defect(
         "4c",
         "hold margin not validated",
         _hold_margin_unchecked,
         "write-after-free",
-        (226, 305, 355),
+        (209, 305, 355),
         replace(Timing(), hold_margin_s=0.01),
     ),
-    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 4, 6)),
+    Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 4, 8)),
     Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 974, 1078)),
     Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (444, 447, 462)),
     Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (1175, 2344, 3274)),
     Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (1, 2, 3)),
     # Found once the transport model stopped letting a release recall bytes already sent (kvpush/sim/nixl.py).
-    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (1, 13, 21)),
-    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (2, 11, 23)),
+    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (13, 22, 23)),
+    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (2, 11, 41)),
     # Found once P made its WRITEs during the forward (a made WRITE unloaded with its agent shows it).
     Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (14734, 25911, 38845)),
+    # Found once the broker member could doubt its lease (kvpush/sim/control_plane.py).
+    Defect("L1", "lease doubt fenced at once", _lease_doubt_fences_at_once, "write-after-free", (31, 38, 111)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random
