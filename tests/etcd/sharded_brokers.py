@@ -63,13 +63,24 @@ class Deployment:
         )
 
     async def start_brokers(self, *member_ids: str) -> None:
-        """Starts the members at once and waits until every one serves."""
+        """Starts the members at once and waits until every one serves and every running member's map lists them all.
+
+        A member serves once its own key is in its map; the others' keys reach it through its etcd watch a
+        moment later, and until then it takes itself for the owner of their transfers too.
+        """
         services = [self.broker_service(member_id) for member_id in member_ids]
         await asyncio.gather(*(service.start() for service in services))
         for service in services:
             self.brokers[service.name] = service
         for service in services:
             await until_health(service, SERVING)
+        running = set(self.brokers)
+        for member_id in running:
+            call = self.watch(member_id)
+            try:
+                await map_until(call, lambda shards: running <= set(shards))
+            finally:
+                call.cancel()
 
     def stub(self, member_id: str) -> rv_grpc.RendezvousServiceStub:
         return rv_grpc.RendezvousServiceStub(self.brokers[member_id].channel)
