@@ -14,7 +14,10 @@ to a newcomer still holds the attempt and fences it by these answers.
 An item answered NOT_SHARD_OWNER (the member's map differs from ours: a
 member joined or left and we have not heard yet) goes again to the owner
 that answer names, on that member's stream (opened for it if our map does
-not list it yet), at most MAX_REDIRECTS times. An item answered
+not list it yet), at most MAX_REDIRECTS times; unless our map saw that
+owner leave (the answering member has not heard yet): the item then goes
+again to its owner by our map after a pause, as below, rather than to a
+member that is gone. An item answered
 BROKER_SHARD_LOST by a member that is not serving (it cannot be sure of its
 membership lease, after an etcd election say, and refuses everything before
 looking at it) goes again to its transfer's owner after a pause,
@@ -84,6 +87,7 @@ class ReportRouter:
         self._client_for = client_for
         self._streams: dict[str, tuple[ReportStream, asyncio.Future]] = {}
         self._sharded = False  # a member other than the seed was ever added: items' owners are tracked (on_route)
+        self._departed: set[str] = set()  # members that left our map (and have not joined it again)
         self._parked: list[Report] = []  # items that came while no member was known
 
     # ---- any thread ----------------------------------------------------------------------
@@ -108,6 +112,7 @@ class ReportRouter:
             return
         stream = ReportStream(broker, self._engine_id, self._loop, self._timeout_s, self._closed, reroute=self._reroute)
         self._streams[member] = (stream, asyncio.ensure_future(stream.run()))
+        self._departed.discard(member)
         self._sharded = self._sharded or member != SEED
         parked, self._parked = self._parked, []
         self._route(parked)
@@ -117,6 +122,8 @@ class ReportRouter:
         entry = self._streams.pop(member, None)
         if entry is None:
             return
+        if lost:
+            self._departed.add(member)
         stream, task = entry
         await stop_tasks([task], f"EngineReports stream of broker member {member!r}")
         again = []
@@ -193,6 +200,8 @@ class ReportRouter:
     def _redirect(self, report: Report, error: errors.KvpushError) -> bool:
         """A NOT_SHARD_OWNER answer: the item goes to the owner it names (True), or gets the error (False)."""
         owner, address = error.metadata.get("owner_member_id", ""), error.metadata.get("owner_address", "")
+        if owner in self._departed and owner not in self._streams:
+            return self._retry_later(report)  # the answering member's map is older than ours: it will hear of it
         if not owner or owner == report.member or report.redirects >= MAX_REDIRECTS:
             return False
         if owner not in self._streams:

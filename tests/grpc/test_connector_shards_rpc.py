@@ -131,6 +131,36 @@ async def test_a_report_refused_as_not_the_owners_goes_to_the_owner_the_refusal_
             assert len(members["a"].refused + members["b"].refused) == len(to_c)  # now straight to c
 
 
+async def test_a_refusal_naming_a_member_that_left_our_map_waits_for_the_answering_member_to_hear_of_it():
+    """c died and left the engine's map; a and b have not heard yet and send c's transfers to c. The engine does not
+    follow them to a member that is gone: it sends the item again by its own map once a and b caught up."""
+    cluster = Cluster()
+    async with stream_members(cluster, ["a", "b", "c"]) as members:
+        with_c = dict(cluster.membership)
+        await cluster.publish(with_c, revision=1)
+        with session_on(members["a"].address) as session:
+            reports = session.report_stream("decode-0")
+            session.follow_members(EVENTS, lambda broker: broker.stream_transfer_events(rv_pb.StreamTransferEventsRequest()),
+                                   lambda member: lambda message: None)
+            await sharded_map_applied(session, members, EVENTS)
+            await members["c"].server.stop(grace=None)
+            without_c = {m: with_c[m] for m in ("a", "b")}
+            await cluster.publish(without_c, revision=2)
+            await eventually(lambda: session.members() == {"a", "b"})
+            cluster.membership = with_c  # what a and b still believe
+            (orphan,) = owned("c", with_c, 1)
+            answers = Answers()
+            reports.send(registration(orphan, answers))
+            await eventually(lambda: any(t == orphan for _, t in members["a"].refused + members["b"].refused))
+            await asyncio.sleep(0.2)
+            assert orphan not in answers.items and session.members() == {"a", "b"}  # no stream opened to c
+            cluster.membership = without_c  # a and b heard of it
+            await eventually(lambda: orphan in answers.items)
+            assert answers.items[orphan][1] is None, answers.items[orphan][1]
+            new_owner = shards.owner(orphan, without_c)
+            assert ("registrations", orphan) in members[new_owner].accepted
+
+
 async def test_reports_sent_before_the_sharded_map_arrives_go_through_the_seed_and_on_to_their_owners():
     cluster = Cluster()
     cluster.answer_watches.clear()
