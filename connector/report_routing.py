@@ -17,14 +17,17 @@ that answer names, on that member's stream (opened for it if our map does
 not list it yet), at most MAX_REDIRECTS times; unless our map saw that
 owner leave (the answering member has not heard yet): the item then goes
 again to its owner by our map after a pause, as below, rather than to a
-member that is gone. An item answered
-BROKER_SHARD_LOST by a member that is not serving (it cannot be sure of its
-membership lease, after an etcd election say, and refuses everything before
-looking at it) goes again to its transfer's owner after a pause,
-RETRY_FIRST_S doubling to RETRY_MAX_S, while it is younger than the RPC
-timeout: the member applied nothing, so the repeat doubles nothing, and the
-member serving again (or the map without it) takes it; otherwise the item
-would fail and its request wait for its deadline. When a member leaves, the
+member that is gone.
+
+An item answered BROKER_SHARD_LOST by a member that is not serving (it
+cannot be sure of its membership lease, after an etcd election say, and
+refuses everything before looking at it) goes again to its transfer's owner
+after a pause, RETRY_FIRST_S doubling to RETRY_MAX_S, while it is younger
+than the RPC timeout: the member applied nothing, so the repeat doubles
+nothing, and the member serving again (or the map without it) takes it;
+otherwise the item would fail and its request wait for its deadline.
+
+When a member leaves, the
 items it was never sent go to their new owners; those it was sent and did
 not answer are answered Unavailable (BROKER_SHARD_LOST): whether it applied
 them is unknown, as after a unary call whose server died. The seed ("")

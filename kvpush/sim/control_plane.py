@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpush.connector.report_routing import RETRY_FIRST_S, RETRY_MAX_S
 from kvpush.errors import KvpushError, Reason, Unavailable
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.core import BrokerCore
@@ -30,10 +31,9 @@ if TYPE_CHECKING:
 
 BROKER_MEMBER = "broker-0"
 # An engine's per-request messages (EngineReports items in the connector): a refusal by a member that is not serving
-# (BROKER_SHARD_LOST) sends them again after RESEND_FIRST_S, doubling to RESEND_MAX_S, while the call has time left.
+# (BROKER_SHARD_LOST) sends them again with the connector's pauses (RETRY_FIRST_S doubling to RETRY_MAX_S) while the
+# call has time left.
 REPORTS = frozenset(("RegisterDestination", "ReportPrefillDone", "ReportWriteResult", "CancelTransfer"))
-RESEND_FIRST_S = 0.05
-RESEND_MAX_S = 0.8
 
 
 class Rpc:
@@ -56,7 +56,7 @@ class Rpc:
             if state["done"]:
                 return
             if not last and resends_refused and getattr(error, "reason", None) == Reason.BROKER_SHARD_LOST:
-                delay = min(RESEND_FIRST_S * 2 ** state["resends"], RESEND_MAX_S)
+                delay = min(RETRY_FIRST_S * 2 ** state["resends"], RETRY_MAX_S)
                 if self.sim.world.time + delay < give_up_at:
                     state["resends"] += 1
                     state["refusal"] = error
