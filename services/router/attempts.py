@@ -4,7 +4,12 @@
 
 Every wait is bounded: the prefill leg by prefill_timeout_s, the decode leg
 by first_token_timeout_s until its first output (and between two streamed
-chunks) and by request_timeout_s in all. A leg that fails before any output
+chunks) and by request_timeout_s in all. The first-output bound and the
+whole request's bound count from the request's arrival, the transfer
+deadline (push mode) from its first attempt: a retry gets what its
+predecessors left of them, so a
+request whose every attempt fails is still answered by its deadline, and
+none is made with less than RETRY_MIN_LEFT_S left. A leg that fails before any output
 reached the client ends its attempt: the transfer attempt is cancelled at
 the broker (push mode), the other leg is abandoned (closing its connection
 makes vLLM abort it) and, when the fault was an engine's and another engine
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from typing import TYPE_CHECKING
 
@@ -62,6 +68,9 @@ CLIENT_CLOSED_STATUS = 499
 # checks that its client is still connected (aiohttp does not cancel
 # handlers by default, so nothing else would notice before the answer).
 CLIENT_CHECK_INTERVAL_S = 0.25
+# A retry with less than this left of the request's bounds could only miss
+# its deadline; the failure already in hand is the better answer.
+RETRY_MIN_LEFT_S = 0.1
 
 
 async def dispatch(router: Router, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
@@ -77,6 +86,10 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
         if p_endpoint is None or d_endpoint is None:
             break
         if attempt > 1:
+            left = _left_until_output(router, ctx)
+            if left < RETRY_MIN_LEFT_S:
+                ctx.span.add_event("retry_skipped", {ATTR_ATTEMPT: attempt, "kvpush.left_s": round(left, 3)})
+                break
             router.metrics.retries.inc()
             ctx.span.add_event("retry", {ATTR_ATTEMPT: attempt, "kvpush.prefill_engine_id": p_endpoint.engine_id, "kvpush.decode_engine_id": d_endpoint.engine_id})
         ctx.span.set_attributes({ATTR_ATTEMPT: attempt, "kvpush.prefill_engine_id": p_endpoint.engine_id, "kvpush.decode_engine_id": d_endpoint.engine_id})
@@ -110,6 +123,15 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
     return error_response(503, f"no {role} engine available", leg=role, reason=NO_ENGINE)
 
 
+def _left_until_output(router: Router, ctx: RequestContext) -> float:
+    """Seconds left of the request's first-output bound and, in push mode, of its transfer deadline."""
+    config = router.config
+    left = ctx.left_s(config.first_token_timeout_s if ctx.stream else config.request_timeout_s)
+    if ctx.transfer_deadline:
+        left = min(left, ctx.transfer_deadline - time.monotonic())
+    return left
+
+
 async def _attempt_sequential(router: Router, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint) -> Opened:
     """Pull mode: the prefill leg, then the decode leg with the parameters the prefill engine returned."""
     p_span = leg_span(router, ctx, PREFILL, p_endpoint, attempt)
@@ -122,11 +144,11 @@ async def _attempt_sequential(router: Router, ctx: RequestContext, attempt: int,
     decode = DecodeLeg(router, ctx, d_endpoint, decode_body(ctx.body, params), ctx.leg_headers(d_span, ctx.client_request_id), d_span)
     limit = router.config.first_token_timeout_s if ctx.stream else router.config.request_timeout_s
     try:
-        async with asyncio.timeout(limit):
+        async with asyncio.timeout(ctx.left_s(limit)):
             await decode.open()
     except TimeoutError as exc:
         decode.close(abort=True, error="timeout")
-        raise LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s", status=504) from exc
+        raise LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s of the request's arrival", status=504) from exc
     except BaseException as exc:
         decode.close(abort=True, error=str(exc) or type(exc).__name__)
         raise
@@ -142,7 +164,14 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
         ctx.broker_owner = router.shards.owner(ctx.transfer_id)
         if ctx.broker_owner.member_id:
             ctx.span.set_attribute("kvpush.broker_member_id", ctx.broker_owner.member_id)
-        common = {"client_request_id": ctx.client_request_id, "timeout_ms": config.transfer_timeout_ms}
+        # The transfer deadline is the request's: the first attempt carries it,
+        # a retry what is left of it (dispatch keeps that >= RETRY_MIN_LEFT_S).
+        if ctx.transfer_deadline:
+            timeout_ms = max(1, int((ctx.transfer_deadline - time.monotonic()) * 1000))
+        else:
+            ctx.transfer_deadline = time.monotonic() + config.transfer_timeout_ms / 1000
+            timeout_ms = config.transfer_timeout_ms
+        common = {"client_request_id": ctx.client_request_id, "timeout_ms": timeout_ms}
         p_params = kvpush_params(PREFILL, ctx.transfer_id, attempt, d_endpoint.engine_id, traceparent=ctx.trace_carrier(p_span).get("traceparent", ""), **common)
         d_params = kvpush_params(DECODE, ctx.transfer_id, attempt, p_endpoint.engine_id, traceparent=ctx.trace_carrier(d_span).get("traceparent", ""), **common)
         p_headers = ctx.leg_headers(p_span, ctx.client_request_id)
@@ -182,14 +211,14 @@ async def _first_output(router: Router, ctx: RequestContext, p_task: asyncio.Tas
     """Waits for the decode leg's first output; raises the first leg failure, or a timeout naming the leg waited on."""
     loop = asyncio.get_running_loop()
     limit = router.config.first_token_timeout_s if ctx.stream else router.config.request_timeout_s
-    deadline = loop.time() + limit
+    deadline = loop.time() + ctx.left_s(limit)
     pending: set[asyncio.Task] = {p_task, d_task}
     while not d_task.done():
         remaining = deadline - loop.time()
         if remaining <= 0:
             if not p_task.done():
-                raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s while the decode leg waited for the KV", status=504)
-            raise LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s", status=504)
+                raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s of the request's arrival while the decode leg waited for the KV", status=504)
+            raise LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s of the request's arrival", status=504)
         done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
         if p_task in done and p_task.exception() is not None:
             raise p_task.exception()
@@ -202,7 +231,7 @@ async def _first_output_push(
     """Push mode: waits for the decode leg's first output; raises the failure to answer, with the broker's reason where it has one.
 
     Besides the leg timeouts of _first_output:
-    * transfer deadline guard: no output by the attempt's timeout_ms plus
+    * transfer deadline guard: no output by the request's transfer deadline plus
       transfer_deadline_slack_s answers at once (the broker's reason, else
       504), unless the broker says the KV arrived (DONE: a long
       non-streamed answer is still being generated);
@@ -224,10 +253,9 @@ async def _first_output_push(
     """
     loop = asyncio.get_running_loop()
     config = router.config
-    started = loop.time()
     limit = config.first_token_timeout_s if ctx.stream else config.request_timeout_s
-    deadline = started + limit
-    guard_at = started + config.transfer_timeout_ms / 1000 + config.transfer_deadline_slack_s
+    deadline = loop.time() + ctx.left_s(limit)
+    guard_at = loop.time() + (ctx.transfer_deadline - time.monotonic()) + config.transfer_deadline_slack_s
     poll_at = float("inf")  # when the long poll starts: set once the prefill leg has answered
     poll: asyncio.Task | None = None
     kv_arrived = False  # the broker said DONE: nothing left to ask it
@@ -243,8 +271,8 @@ async def _first_output_push(
                 raise shard_failure(router, ctx, attempt, d_endpoint, shard_lost.result(), "the decode leg had no output yet")
             if now >= deadline:
                 if not p_task.done():
-                    raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s while the decode leg waited for the KV", status=504)
-                timeout = LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s", status=504)
+                    raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s of the request's arrival while the decode leg waited for the KV", status=504)
+                timeout = LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s of the request's arrival", status=504)
                 raise await explain_overdue(router, ctx, attempt, p_endpoint, d_endpoint, timeout)
             if now >= guard_at:
                 guard_at = float("inf")

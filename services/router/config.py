@@ -61,27 +61,28 @@ class RouterConfig(Settings):
     prefill_timeout_s: float = setting(
         60.0, flag="--prefill-timeout", env="KVPUSH_ROUTER_PREFILL_TIMEOUT_S", convert=float, positive=True, help="seconds the prefill leg may take"
     )
-    # first_token_timeout_s bounds the decode leg until its first output, and
-    # any later gap between two streamed chunks.
+    # first_token_timeout_s bounds the request until its first output (from
+    # its arrival, across retries), and any later gap between two streamed chunks.
     first_token_timeout_s: float = setting(
         60.0,
         flag="--first-token-timeout",
         env="KVPUSH_ROUTER_FIRST_TOKEN_TIMEOUT_S",
         convert=float,
         positive=True,
-        help="seconds until the decode leg's first output (and between streamed chunks)",
+        help="seconds from a request's arrival until its first output, retries included (and between streamed chunks)",
     )
     request_timeout_s: float = setting(
         600.0, flag="--request-timeout", env="KVPUSH_ROUTER_REQUEST_TIMEOUT_S", convert=float, positive=True, help="seconds a whole request may take"
     )
-    # transfer_timeout_ms is the kvpush deadline each transfer attempt carries.
+    # transfer_timeout_ms is the request's kvpush transfer deadline: its first
+    # attempt carries it as timeout_ms, a retry what is left of it.
     transfer_timeout_ms: int = setting(
         30_000,
         flag="--transfer-timeout-ms",
         env="KVPUSH_ROUTER_TRANSFER_TIMEOUT_MS",
         convert=int,
         positive=True,
-        help="kvpush deadline of each transfer attempt",
+        help="push: the request's transfer deadline, sent as the first attempt's timeout_ms; a retry carries what is left of it",
     )
     # transfer_deadline_slack_s: a push-mode decode leg without output this
     # long past its transfer's deadline is answered 504 and closed (unless the

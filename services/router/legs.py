@@ -54,6 +54,11 @@ class RequestContext:
     failure_reason: str = ""  # why the request failed (core.FAILURE_REASONS), "" if it did not
     prefill_answered: float = 0.0  # time.monotonic() when the current attempt's prefill leg answered (0: not yet)
     broker_owner: Owner = Owner()  # push mode: the broker member that holds the current attempt
+    transfer_deadline: float = 0.0  # push mode: time.monotonic() when the transfer deadline passes (set by the first attempt)
+
+    def left_s(self, limit_s: float) -> float:
+        """Seconds left of a bound limit_s counted from the request's arrival (negative once it passed): retries share it."""
+        return self.started + limit_s - time.monotonic()
 
     def client_gone(self) -> bool:
         """Whether the client's connection closed (aiohttp drops the request's transport then)."""
@@ -139,7 +144,8 @@ class DecodeLeg:
     async def open(self) -> None:
         """Sends the leg and reads up to its first output (the whole body when not streamed)."""
         config = self.router.config
-        timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
+        # request_timeout_s bounds the whole request: a retry's leg gets what is left of it.
+        timeout = aiohttp.ClientTimeout(total=max(self.ctx.left_s(config.request_timeout_s), 0.001), sock_connect=config.connect_timeout_s)
         try:
             self.response = await self.router.session.post(
                 self.endpoint.url + self.ctx.path, json=self.body, headers=self.headers, timeout=timeout, read_bufsize=READ_BUFSIZE

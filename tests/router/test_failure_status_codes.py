@@ -213,3 +213,46 @@ async def test_an_overlong_request_id_is_refused_with_400_before_any_leg(plane, 
     assert status == 400 and error["reason"] == "INVALID_REQUEST" and "X-Request-Id" in error["message"]
     assert not prefill.received and not decode.received
     assert 'kvpush_router_failed_requests_total{reason="INVALID_REQUEST"} 1.0' in metrics
+
+
+# ---- retries share the request's deadline ----------------------------------------------------
+
+
+async def test_a_retry_gets_what_is_left_of_the_transfer_deadline_so_the_answer_keeps_it(plane, spans):
+    prefill_at, decode_at = plane.engines["prefill-1"], plane.engines["decode-0"]
+    # prefill-0 never answers (its leg times out, an engine's fault: retried); prefill-1 reports and never WRITEs.
+    hung, silent, decode = await serve(
+        ScriptedEngine("prefill", "prefill-0", just("hang")),
+        ScriptedEngine("prefill", "prefill-1", prefill_like_vllm(prefill_at, write=None)),
+        ScriptedEngine("decode", "decode-0", decode_like_vllm(decode_at)),
+    )
+    try:
+        async with router_under_test(plane.port, [hung, silent], [decode], spans[0], transfer_timeout_ms=3000, prefill_timeout_s=1.5) as router:
+            status, body, elapsed = await router.post("/v1/completions", BODY)
+    finally:
+        await stop(hung, silent, decode)
+    first, retry = (engine.received[0].body["kv_transfer_params"]["kvpush"] for engine in (hung, silent))
+    assert (first["attempt"], first["timeout_ms"]) == (1, 3000)
+    assert retry["attempt"] == 2 and 1000 <= retry["timeout_ms"] <= 1500, f"attempt 2 carries what is left of the 3 s: {retry['timeout_ms']} ms"
+    error = error_of(body)
+    assert status == 504 and error["attempt"] == 2, error
+    assert elapsed < 3.0 + 0.5 + 0.5, f"answered {elapsed:.2f} s after arrival: the transfer deadline (3 s) + slack (0.5 s), not a second full deadline"
+
+
+async def test_no_retry_is_made_with_less_than_its_minimum_left(plane, spans):
+    hung, spare, decode = await serve(
+        ScriptedEngine("prefill", "prefill-0", just("hang")),
+        ScriptedEngine("prefill", "prefill-1", just("ok")),
+        ScriptedEngine("decode", "decode-0", just("hang")),
+    )
+    try:
+        # The prefill leg's timeout leaves less than RETRY_MIN_LEFT_S of the transfer deadline.
+        async with router_under_test(plane.port, [hung, spare], [decode], spans[0], transfer_timeout_ms=1000, prefill_timeout_s=0.95) as router:
+            status, body, _ = await router.post("/v1/completions", BODY)
+    finally:
+        await stop(hung, spare, decode)
+    error = error_of(body)
+    assert status == 504 and (error["reason"], error["leg"], error["engine_id"], error["attempt"]) == ("LEG_TIMEOUT", "prefill", "prefill-0", 1), error
+    assert not spare.received, "a retry with < 0.1 s left could only miss the deadline: the first failure is answered"
+    retry_events = [e for s in spans[1].get_finished_spans() for e in s.events if e.name == "retry_skipped"]
+    assert len(retry_events) == 1 and retry_events[0].attributes["kvpush.left_s"] < 0.1
