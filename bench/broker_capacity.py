@@ -2,27 +2,36 @@
 """How many rendezvous per second one `kvpush control-plane` process sustains, and how fast orders arrive.
 
 Starts the control plane as kvpush.localstack does (127.0.0.1:0, its own
-process group, its log in a temporary work directory), registers a fake
-prefill engine (one rank, no early orders, so the broker does the match)
-and a fake decode engine over real RPCs, then drives RegisterDestination +
-ReportPrefillDone pairs from this process (alternating which side arrives
-second) while a StreamWriteOrders consumer for the prefill rank measures
-the latency from sending the second call to receiving the order. With
-`--transport streams` the two engines send the same messages the way the
-connector does, in batches on their EngineReports streams (the connector's
-own ReportStream), instead of one unary call each. Phases:
-open-loop offered rates (default 2,000/s) and a closed loop at maximum
-throughput. Each phase also reports the CPU time the server and this load
-generator spent per rendezvous, which bounds capacity whatever else the
-machine runs. Prints a table beside the targets and one JSON line.
+process group, its log in a temporary work directory), registers
+`--engines` fake prefill/decode engine pairs (one rank each, no early
+orders, so the broker does the match) over real RPCs, then drives
+RegisterDestination + ReportPrefillDone pairs (alternating which side
+arrives second) while each prefill rank's StreamWriteOrders consumer
+measures the latency from the second message leaving to the order
+arriving. With `--transport streams` the engines send the same messages the
+way the connector does, on their EngineReports streams (the connector's own
+ReportStream); `--step-ms` makes each
+engine send what one step produced in one message, as a decode engine sends
+the registrations of one scheduler step. `--load-processes` spreads the
+engines, the offered rate and the callers over that many load generator
+processes (spawned, in step phase by phase), so the load generator is not
+what runs out of CPU; `--pin` puts the control plane on CPU 0 and the load
+on the others.
+
+Phases: open-loop offered rates (default 2,000, 5,000 and 10,000/s) and a
+closed loop at maximum throughput. Each phase also reports the CPU time the
+server and the load generators spent per rendezvous, which bounds capacity
+whatever else the machine runs. Prints a table beside the target (issue 9:
+>= 10,000/s per control-plane process with p99 <= 5 ms) and one JSON line.
 
 With `--shards N` the control plane is the scaled-out form instead
 (kvpush.localstack.scaled: a 3-member etcd cluster, one registrar replica,
 N broker shards): each rendezvous goes to the shard that owns its transfer
-id (kvpush.shards), the prefill rank holds one order stream per shard, and
+id (kvpush.shards), each prefill rank holds one order stream per shard, and
 the server CPU is the sum over the shards.
 
-    python bench/broker_capacity.py [--rates 1000,2000] [--duration 10] [--concurrency 64] [--transport unary|streams] [--shards N]
+    python bench/broker_capacity.py [--rates 2000,5000,10000] [--duration 10] [--concurrency 64] [--transport unary|streams]
+        [--engines N] [--step-ms MS] [--load-processes K] [--pin] [--shards N]
 """
 
 from __future__ import annotations
@@ -30,22 +39,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import dataclasses
 import json
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import pathlib
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from kvpush.client import BrokerClient, ClientConfig
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.errors import KvpushError
-from kvpush.localstack.control_plane import DEFAULT_ENGINE_IDS, start_control_plane
+from kvpush.localstack.control_plane import start_control_plane
 from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec
-from kvpush.processes import cpu_seconds
+from kvpush.processes import cpu_seconds, pin_threads
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -59,11 +73,12 @@ from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 from kvpush.shards import owner
 
-TARGET_RATE = 2_000
+TARGET_RATE = 10_000  # issue 9: per control-plane process, open loop at 2k / 5k / 10k offered
 TARGET_P99_MS = 5.0
-ASPIRATION_RATE = 10_000
 CALL_TIMEOUT_S = 5.0
-START_TIMEOUT_S = 20.0  # for the order stream to open
+START_TIMEOUT_S = 20.0  # for the order streams to open
+SERVER_CPU = 0  # --pin: the control plane's CPU
+BARRIER_TIMEOUT_S = 120.0  # one phase with its drain, or the load processes' start
 TRANSFER_TIMEOUT_S = 300.0  # no attempt may expire while the benchmark runs
 TOKENS = 256
 
@@ -97,30 +112,52 @@ def core_only(count: int) -> dict:
 
 
 class StreamSender:
-    """One engine's messages on its EngineReports stream through the connector's ReportStream; send() awaits the item's answer."""
+    """One engine's messages on its EngineReports stream through the connector's ReportStream; send() awaits the item's answer.
 
-    def __init__(self, address: str, engine_id: str, token: str):
+    With step_s > 0 the items wait for the engine's next step and leave
+    together, as a decode engine sends the registrations of one scheduler
+    step (and a prefill engine the prefill-dones of one forward) in one
+    message; on_sent is called when the item leaves.
+    """
+
+    def __init__(self, address: str, engine_id: str, token: str, step_s: float):
         self.client = BrokerClient(ClientConfig(target=address, token=token, default_timeout_s=CALL_TIMEOUT_S))
         self.closed = False
         self.stream = ReportStream(self.client, engine_id, asyncio.get_running_loop(), CALL_TIMEOUT_S, lambda: self.closed)
-        self.task = asyncio.create_task(self.stream.run())
+        self.step_s = step_s
+        self.pending: list[Report] = []
+        self.tasks = [asyncio.create_task(self.stream.run())]
+        if step_s > 0:
+            self.tasks.append(asyncio.create_task(self._steps()))
 
-    async def send(self, kind: str, message) -> None:
+    async def send(self, kind: str, message, on_sent: Callable[[], None] | None = None) -> None:
         answered = asyncio.get_running_loop().create_future()
 
         def on_answer(answer, error) -> None:
             if not answered.done():
                 answered.set_result(error)
 
-        self.stream.send(Report(kind, message, on_answer))
+        report = Report(kind, message, on_answer, prepare=on_sent)
+        if self.step_s > 0:
+            self.pending.append(report)
+        else:
+            self.stream.send(report)
         error = await answered
         if error is not None:
             raise error
 
+    async def _steps(self) -> None:
+        while True:
+            await asyncio.sleep(self.step_s)
+            if self.pending:
+                self.stream.send_many(self.pending)
+                self.pending = []
+
     async def close(self) -> None:
         self.closed = True
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.client.close(0.1)
 
 
@@ -135,16 +172,17 @@ class Shard:
 
 
 class Bench:
-    def __init__(self, registrar: grpc.aio.Channel, shards: list[Shard], tokens: dict[str, str], server_pids: list[int]):
-        self.server_pids = server_pids
-        self._cpu_at_start = (0.0, 0.0)
+    """One load process: its engine pairs, the rendezvous it starts and the orders its prefill engines receive."""
+
+    def __init__(self, registrar: grpc.aio.Channel, shards: list[Shard], tokens: dict[str, str], pairs: list[tuple[str, str]], part: int):
         self.registrar = reg_grpc.RegistrarServiceStub(registrar)
         self.shards = shards
         self.tokens = tokens  # engine id -> its token
-        self.prefill_md: tuple = ()
-        self.decode_md: tuple = ()
+        self.pairs = pairs  # (prefill engine id, decode engine id), one per simulated P/D pair
+        self.part = part  # this load process's index: transfer ids stay unique across processes
+        self.metadata = {engine_id: (("authorization", f"Bearer {tokens[engine_id]}"),) for pair in pairs for engine_id in pair}
         self.leases: dict[str, str] = {}  # engine id -> lease id
-        self.sent_second: dict[str, float] = {}  # transfer id -> perf_counter at the second call's send
+        self.sent_second: dict[str, float] = {}  # transfer id -> perf_counter when the second message left
         self.latencies: list[float] = []
         self.delivered = 0
         self.errors: collections.Counter[str] = collections.Counter()
@@ -159,19 +197,15 @@ class Bench:
         return next(shard for shard in self.shards if shard.member_id == member)
 
     async def register_engines(self) -> None:
-        for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
-            request = sample.rank_request(engine_id, role, num_blocks=100_000, lease_ttl_s=30)
-            metadata = (("authorization", f"Bearer {self.tokens[engine_id]}"),)
-            response = await self.registrar.RegisterEngineRank(request, metadata=metadata, timeout=CALL_TIMEOUT_S)
-            self.leases[engine_id] = response.lease_id
-            if role == sample.PREFILL:
-                self.prefill_md = metadata
-            else:
-                self.decode_md = metadata
+        for pair in self.pairs:
+            for engine_id, role in zip(pair, (sample.PREFILL, sample.DECODE), strict=True):
+                request = sample.rank_request(engine_id, role, num_blocks=100_000, lease_ttl_s=30)
+                response = await self.registrar.RegisterEngineRank(request, metadata=self.metadata[engine_id], timeout=CALL_TIMEOUT_S)
+                self.leases[engine_id] = response.lease_id
 
-    async def keep_alive(self, engine_id: str, metadata: tuple) -> None:
+    async def keep_alive(self, engine_id: str) -> None:
         """Renews one engine's lease on its own stream (a stream acts for one engine)."""
-        call = self.registrar.KeepAlive(metadata=metadata, timeout=3600)
+        call = self.registrar.KeepAlive(metadata=self.metadata[engine_id], timeout=3600)
         while True:
             await call.write(reg_pb.KeepAliveRequest(lease_ids=[self.leases[engine_id]]))
             response = await call.read()
@@ -179,9 +213,9 @@ class Bench:
                 raise RuntimeError(f"the lease of {engine_id} was lost")
             await asyncio.sleep(3.0)
 
-    async def consume_orders(self, shard: Shard, ready: asyncio.Event) -> None:
-        request = rv_pb.StreamWriteOrdersRequest(engine_id="prefill-0", incarnation="inc-1", early_orders=False)
-        call = shard.stub.StreamWriteOrders(request, metadata=self.prefill_md, timeout=3600)
+    async def consume_orders(self, shard: Shard, engine_id: str, ready: asyncio.Event) -> None:
+        request = rv_pb.StreamWriteOrdersRequest(engine_id=engine_id, incarnation="inc-1", early_orders=False)
+        call = shard.stub.StreamWriteOrders(request, metadata=self.metadata[engine_id], timeout=3600)
         await call.initial_metadata()
         ready.set()
         sent = self.sent_second
@@ -194,40 +228,38 @@ class Bench:
                 self.latencies.append(arrived - started)
                 self.delivered += 1
 
-    def requests(self) -> tuple[str, rv_pb.RegisterDestinationRequest, rv_pb.ReportPrefillDoneRequest]:
+    def requests(self) -> tuple[str, rv_pb.RegisterDestinationRequest, rv_pb.ReportPrefillDoneRequest, tuple[str, str]]:
         self.sequence += 1
-        transfer_id = f"b{self.sequence}"
+        pair = self.pairs[self.sequence % len(self.pairs)]
+        transfer_id = f"b{self.part}-{self.sequence}"
         first_block = (self.sequence * 16) % 99_000
-        destination = sample.destination_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S)
-        prefill_done = sample.prefill_done_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S)
-        return transfer_id, destination, prefill_done
+        engines = {"prefill_engine_id": pair[0], "decode_engine_id": pair[1]}
+        destination = sample.destination_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S, **engines)
+        prefill_done = sample.prefill_done_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S, **engines)
+        return transfer_id, destination, prefill_done, pair
 
-    async def register_destination(self, request: rv_pb.RegisterDestinationRequest) -> None:
+    async def send(self, engine_id: str, kind: str, request, on_sent: Callable[[], None] | None) -> None:
         shard = self.owner(request.key.transfer_id)
         if self.streams:
-            await shard.senders["decode-0"].send("registrations", request)
-        else:
-            await shard.stub.RegisterDestination(request, metadata=self.decode_md, timeout=CALL_TIMEOUT_S)
-
-    async def report_prefill_done(self, request: rv_pb.ReportPrefillDoneRequest) -> None:
-        shard = self.owner(request.key.transfer_id)
-        if self.streams:
-            await shard.senders["prefill-0"].send("prefill_done", request)
-        else:
-            await shard.stub.ReportPrefillDone(request, metadata=self.prefill_md, timeout=CALL_TIMEOUT_S)
+            await shard.senders[engine_id].send(kind, request, on_sent)
+            return
+        if on_sent is not None:
+            on_sent()
+        call = shard.stub.RegisterDestination if kind == "registrations" else shard.stub.ReportPrefillDone
+        await call(request, metadata=self.metadata[engine_id], timeout=CALL_TIMEOUT_S)
 
     async def rendezvous(self) -> None:
-        transfer_id, destination, prefill_done = self.requests()
-        decode_second = self.sequence % 2 == 0
+        transfer_id, destination, prefill_done, (prefill_id, decode_id) = self.requests()
+
+        def second_sent() -> None:
+            self.sent_second[transfer_id] = time.perf_counter()
+
+        calls = [(prefill_id, "prefill_done", prefill_done), (decode_id, "registrations", destination)]
+        if self.sequence % 2:
+            calls.reverse()
         try:
-            if decode_second:
-                await self.report_prefill_done(prefill_done)
-                self.sent_second[transfer_id] = time.perf_counter()
-                await self.register_destination(destination)
-            else:
-                await self.register_destination(destination)
-                self.sent_second[transfer_id] = time.perf_counter()
-                await self.report_prefill_done(prefill_done)
+            await self.send(*calls[0], None)
+            await self.send(*calls[1], second_sent)
         except grpc.aio.AioRpcError as exc:
             self.errors[exc.code().name] += 1
             self.sent_second.pop(transfer_id, None)
@@ -236,13 +268,9 @@ class Bench:
             self.sent_second.pop(transfer_id, None)
 
     def reset(self) -> None:
-        self._cpu_at_start = (self.server_cpu(), cpu_seconds(os.getpid()))
         self.latencies = []
         self.delivered = 0
         self.errors = collections.Counter()
-
-    def server_cpu(self) -> float:
-        return sum(cpu_seconds(pid) for pid in self.server_pids)
 
     async def drain(self, timeout: float = 5.0) -> None:
         """Waits until every sent rendezvous had its order delivered (bounded)."""
@@ -250,9 +278,8 @@ class Bench:
         while self.sent_second and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
 
-    async def open_loop(self, rate: float, duration: float) -> dict:
-        """Starts `rate` rendezvous per second on schedule, whatever the latency (an offered load)."""
-        self.reset()
+    async def open_loop(self, rate: float, duration: float) -> int:
+        """Starts `rate` rendezvous per second on schedule, whatever the latency (an offered load); returns how many it started."""
         tasks: set[asyncio.Task] = set()
         started = time.perf_counter()
         launched = 0
@@ -269,14 +296,11 @@ class Bench:
         if tasks:
             await asyncio.wait(tasks, timeout=10)
         await self.drain()
-        elapsed = time.perf_counter() - started
-        return self.summary(f"offered {rate:,.0f}/s", elapsed, launched)
+        return launched
 
-    async def closed_loop(self, concurrency: int, duration: float) -> dict:
+    async def closed_loop(self, concurrency: int, duration: float) -> int:
         """`concurrency` callers each run rendezvous back to back: the maximum throughput."""
-        self.reset()
-        started = time.perf_counter()
-        stop_at = started + duration
+        stop_at = time.perf_counter() + duration
         launched = 0
 
         async def caller() -> None:
@@ -287,60 +311,68 @@ class Bench:
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         await self.drain()
-        elapsed = time.perf_counter() - started
-        return self.summary(f"max ({concurrency} callers)", elapsed, launched)
-
-    def summary(self, name: str, elapsed: float, launched: int) -> dict:
-        latencies = sorted(self.latencies)
-        server_cpu = self.server_cpu() - self._cpu_at_start[0]
-        client_cpu = cpu_seconds(os.getpid()) - self._cpu_at_start[1]
-        per = 1e6 / max(1, self.delivered)
-
-        def percentile(p: float) -> float:
-            return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e3 if latencies else float("nan")
-
-        return {
-            "phase": name,
-            "launched": launched,
-            "delivered": self.delivered,
-            "errors": dict(self.errors),
-            "rendezvous_per_s": self.delivered / elapsed,
-            "p50_ms": percentile(0.50),
-            "p99_ms": percentile(0.99),
-            "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
-            # CPU per rendezvous bounds capacity on an idle core whatever else the machine runs.
-            "server_cpu_us_per_rendezvous": server_cpu * per,
-            "client_cpu_us_per_rendezvous": client_cpu * per,
-        }
+        return launched
 
 
-async def run(args: argparse.Namespace, registrar: str, members: dict[str, str], tokens: dict[str, str], server_pids: list[int]) -> list[dict]:
-    """members: broker member id -> address ({"": address} unsharded)."""
+@dataclasses.dataclass
+class Phase:
+    name: str
+    rate: float  # offered rendezvous per second over all load processes; 0: closed loop
+    duration: float
+    reported: bool = True
+
+
+def phases(args: argparse.Namespace) -> list[Phase]:
+    return [
+        Phase("warm-up", 500, min(2.0, args.duration), reported=False),
+        *(Phase(f"offered {rate:,.0f}/s", rate, args.duration) for rate in args.rates),
+        Phase(f"max ({args.concurrency} callers)", 0, args.duration),
+    ]
+
+
+async def drive(args: argparse.Namespace, part: int, registrar: str, members: dict[str, str], tokens: dict[str, str],
+                barrier: multiprocessing.synchronize.Barrier) -> list[dict]:
+    """One load process: its share of the engine pairs, rate and callers, phase by phase in step with the others (barrier)."""
+    pairs = [(f"prefill-{i}", f"decode-{i}") for i in range(part, args.engines, args.load_processes)]
     options = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
     channels = [grpc.aio.insecure_channel(address, options=options) for address in (registrar, *members.values())]
+    loop = asyncio.get_running_loop()
+
+    async def together() -> None:
+        await loop.run_in_executor(None, barrier.wait, BARRIER_TIMEOUT_S)
+
     try:
         shards = [Shard(member_id, address, channel) for (member_id, address), channel in zip(members.items(), channels[1:], strict=True)]
-        bench = Bench(channels[0], shards, tokens, server_pids)
+        bench = Bench(channels[0], shards, tokens, pairs, part)
         await bench.register_engines()
         if args.transport == "streams":
             bench.streams = True
             for shard in shards:
-                shard.senders = {engine_id: StreamSender(shard.address, engine_id, tokens[engine_id]) for engine_id in ("prefill-0", "decode-0")}
-        readies = [asyncio.Event() for _ in shards]
+                shard.senders = {e: StreamSender(shard.address, e, tokens[e], args.step_ms / 1000) for pair in pairs for e in pair}
+        readies = [(shard, prefill_id, asyncio.Event()) for shard in shards for prefill_id, _ in pairs]
         background = [
-            asyncio.create_task(bench.keep_alive("prefill-0", bench.prefill_md)),
-            asyncio.create_task(bench.keep_alive("decode-0", bench.decode_md)),
-            *(asyncio.create_task(bench.consume_orders(shard, ready)) for shard, ready in zip(shards, readies, strict=True)),
+            *(asyncio.create_task(bench.keep_alive(engine_id)) for pair in pairs for engine_id in pair),
+            *(asyncio.create_task(bench.consume_orders(shard, prefill_id, ready)) for shard, prefill_id, ready in readies),
         ]
+        results = []
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
-                await asyncio.gather(*(ready.wait() for ready in readies))
-            await bench.open_loop(500, min(2.0, args.duration))  # warm-up, not reported
-            results = [await bench.open_loop(rate, args.duration) for rate in args.rates]
-            results.append(await bench.closed_loop(args.concurrency, args.duration))
+                await asyncio.gather(*(ready.wait() for _, _, ready in readies))
+            share = 1 / args.load_processes
+            for phase in phases(args):
+                bench.reset()
+                await together()
+                cpu_at_start = cpu_seconds(os.getpid())
+                if phase.rate:
+                    launched = await bench.open_loop(phase.rate * share, phase.duration)
+                else:
+                    launched = await bench.closed_loop(max(1, round(args.concurrency * share)), phase.duration)
+                results.append({"launched": launched, "delivered": bench.delivered, "errors": dict(bench.errors),
+                                "latencies": bench.latencies, "client_cpu_s": cpu_seconds(os.getpid()) - cpu_at_start})
+                await together()
             for task in background:
                 if task.done() and not task.cancelled() and task.exception() is not None:
-                    raise RuntimeError("a keep-alive or the order stream failed during the run") from task.exception()
+                    raise RuntimeError("a keep-alive or an order stream failed during the run") from task.exception()
         finally:
             for task in background:
                 task.cancel()
@@ -354,8 +386,88 @@ async def run(args: argparse.Namespace, registrar: str, members: dict[str, str],
     return results
 
 
+def load_process(args: argparse.Namespace, part: int, registrar: str, members: dict[str, str], tokens: dict[str, str],
+                 barrier: multiprocessing.synchronize.Barrier, out: multiprocessing.Queue) -> None:
+    if args.pin:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {SERVER_CPU} or {SERVER_CPU})
+    try:
+        out.put((part, run_event_loop(drive(args, part, registrar, members, tokens, barrier))))
+    except BaseException as exc:
+        barrier.abort()  # the others and the main process stop waiting
+        out.put((part, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def run(args: argparse.Namespace, registrar: str, members: dict[str, str], tokens: dict[str, str], server_pids: list[int]) -> list[dict]:
+    """members: broker member id -> address ({"": address} unsharded). Starts the load processes and measures the server between their phases."""
+    if args.pin:
+        pin_threads(server_pids, {SERVER_CPU})
+    context = multiprocessing.get_context("spawn")  # no gRPC state inherited
+    barrier = context.Barrier(args.load_processes + 1)
+    out = context.Queue()
+    workers = [context.Process(target=load_process, args=(args, part, registrar, members, tokens, barrier, out), daemon=True)
+               for part in range(args.load_processes)]
+    for worker in workers:
+        worker.start()
+    spans = []
+    try:
+        for _ in phases(args):
+            barrier.wait(BARRIER_TIMEOUT_S + START_TIMEOUT_S)
+            started, cpu = time.perf_counter(), sum(cpu_seconds(pid) for pid in server_pids)
+            barrier.wait(BARRIER_TIMEOUT_S)
+            spans.append((time.perf_counter() - started, sum(cpu_seconds(pid) for pid in server_pids) - cpu))
+        parts = dict(out.get(timeout=BARRIER_TIMEOUT_S) for _ in workers)
+    except threading.BrokenBarrierError:
+        parts = {}
+        while not out.empty():
+            part, result = out.get()
+            parts[part] = result
+        raise RuntimeError(f"a load process failed: {parts}") from None
+    finally:
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+    failed = {part: result for part, result in parts.items() if isinstance(result, str)}
+    if failed:
+        raise RuntimeError(f"load processes failed: {failed}")
+    results = []
+    for index, (phase, (elapsed, server_cpu)) in enumerate(zip(phases(args), spans, strict=True)):
+        if phase.reported:
+            results.append(summary(phase.name, elapsed, server_cpu, [parts[part][index] for part in sorted(parts)]))
+    return results
+
+
+def summary(name: str, elapsed: float, server_cpu: float, parts: list[dict]) -> dict:
+    latencies = sorted(latency for part in parts for latency in part["latencies"])
+    delivered = sum(part["delivered"] for part in parts)
+    errors: collections.Counter[str] = collections.Counter()
+    for part in parts:
+        errors.update(part["errors"])
+    per = 1e6 / max(1, delivered)
+
+    def percentile(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e3 if latencies else float("nan")
+
+    return {
+        "phase": name,
+        "launched": sum(part["launched"] for part in parts),
+        "delivered": delivered,
+        "errors": dict(errors),
+        "rendezvous_per_s": delivered / elapsed,
+        "p50_ms": percentile(0.50),
+        "p99_ms": percentile(0.99),
+        "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
+        # CPU per rendezvous bounds capacity on an idle core whatever else the machine runs.
+        "server_cpu_us_per_rendezvous": server_cpu * per,
+        "client_cpu_us_per_rendezvous": sum(part["client_cpu_s"] for part in parts) * per,
+    }
+
+
 def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
-    print(f"transport: {args.transport}; " + (f"{args.shards} broker shard(s) on etcd" if args.shards else "embedded control plane"))
+    print(f"transport: {args.transport}; " + (f"{args.shards} broker shard(s) on etcd" if args.shards else "embedded control plane")
+          + f"; {args.engines} engine pair(s), step {args.step_ms:g} ms, {args.load_processes} load process(es)"
+          + (", pinned" if args.pin else ""))
     print(f"{'phase':<22}{'rendezvous/s':>14}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'server CPU us/rdv':>19}{'client CPU us/rdv':>19}")
     for r in results:
         print(
@@ -364,11 +476,15 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
         )
     *offered, maximum = results
     print(f"{'core alone (no gRPC)':<22}{core['rendezvous_per_s']:>14,.0f}")
-    at_target = [r for rate, r in zip(args.rates, offered, strict=True) if rate >= TARGET_RATE]
-    meets = bool(at_target) and at_target[0]["rendezvous_per_s"] >= 0.98 * TARGET_RATE and at_target[0]["p99_ms"] <= TARGET_P99_MS
+    # A rate is held when (nearly) all of it was delivered with p99 <= the target.
+    held = {rate: r["rendezvous_per_s"] >= 0.98 * rate and r["p99_ms"] <= TARGET_P99_MS for rate, r in zip(args.rates, offered, strict=True)}
+    for rate, ok in held.items():
+        print(f"offered {rate:,.0f}/s: {'held' if ok else 'NOT held'} (>= 98 % delivered, p99 <= {TARGET_P99_MS:g} ms)")
+    meets = any(ok for rate, ok in held.items() if rate >= TARGET_RATE)
     print(
-        f"target: >= {TARGET_RATE:,}/s with p99 <= {TARGET_P99_MS:g} ms at that rate -> {'met' if meets else 'NOT met'}; "
-        f"aim {ASPIRATION_RATE:,}/s -> max {maximum['rendezvous_per_s']:,.0f}/s over gRPC, {core['rendezvous_per_s']:,.0f}/s in the core alone"
+        f"target: >= {TARGET_RATE:,}/s per control-plane process with p99 <= {TARGET_P99_MS:g} ms -> {'met' if meets else 'NOT met'}"
+        f" (highest rate held: {max((rate for rate, ok in held.items() if ok), default=0):,.0f}/s; "
+        f"max {maximum['rendezvous_per_s']:,.0f}/s closed loop, {core['rendezvous_per_s']:,.0f}/s in the core alone)"
     )
     print(
         json.dumps(
@@ -376,6 +492,10 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
                 "benchmark": "broker_capacity",
                 "transport": args.transport,
                 "shards": args.shards,
+                "engines": args.engines,
+                "step_ms": args.step_ms,
+                "load_processes": args.load_processes,
+                "pinned": args.pin,
                 "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(),
                 "core_alone": core,
@@ -383,6 +503,7 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
                 "max": maximum,
                 "target_rate": TARGET_RATE,
                 "target_p99_ms": TARGET_P99_MS,
+                "held": {f"{rate:g}": ok for rate, ok in held.items()},
                 "target_met": meets,
             }
         )
@@ -394,7 +515,7 @@ def main() -> int:
     parser.add_argument(
         "--rates",
         type=lambda text: [float(rate) for rate in text.split(",")],
-        default=[float(TARGET_RATE)],
+        default=[2_000.0, 5_000.0, 10_000.0],
         help="comma-separated offered rendezvous per second, one open-loop phase each",
     )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
@@ -402,26 +523,37 @@ def main() -> int:
     parser.add_argument("--transport", choices=("unary", "streams"), default="unary",
                         help="one unary call per message, or the engines' EngineReports streams (as the connector sends them)")
     parser.add_argument("--shards", type=int, default=0, help="broker shards of a scaled-out control plane (0: the embedded control plane)")
+    parser.add_argument("--engines", type=int, default=1, help="simulated prefill/decode engine pairs, each with its own streams")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="streams: each engine sends what one step produced in one message every this many ms (0: each item at once)")
+    parser.add_argument("--load-processes", type=int, default=1, help="load generator processes sharing the engines, rate and callers")
+    parser.add_argument("--pin", action="store_true", help="the control plane on CPU 0, the load processes on the other CPUs")
     parser.add_argument("--keep-otel-env", action="store_true", help="pass OTEL_* variables on to the control plane")
     args = parser.parse_args()
+    if args.engines < args.load_processes or args.load_processes < 1:
+        parser.error("--engines must be at least --load-processes, which must be at least 1")
+    if args.step_ms and args.transport != "streams":
+        parser.error("--step-ms needs --transport streams")
+    engine_ids = [f"{role}-{i}" for i in range(args.engines) for role in ("prefill", "decode")]
     # OTEL_* of this shell would make the control plane trace (and export) what is being measured.
     env = {} if args.keep_otel_env else dict.fromkeys((name for name in os.environ if name.startswith("OTEL_")), None)
     leases = ["--lease-ttl", "30", "--max-lease-ttl", "60"]
     with tempfile.TemporaryDirectory(prefix="kvpush-bench-") as workdir:
         if args.shards:
-            scaled = ScaledControlPlane(pathlib.Path(workdir), ScaledSpec(registrars=1, brokers=args.shards, registrar_args=leases), env=env).start()
+            scaled = ScaledControlPlane(pathlib.Path(workdir), ScaledSpec(registrars=1, brokers=args.shards, registrar_args=leases), env=env,
+                                        engine_ids=engine_ids).start()
             try:
-                tokens = {identity: scaled.token_file_of(identity).read_text().strip() for identity in DEFAULT_ENGINE_IDS}
+                tokens = {identity: scaled.token_file_of(identity).read_text().strip() for identity in engine_ids}
                 members = {part.name: part.address for part in scaled.brokers}
                 pids = [part.process.pid for part in scaled.brokers]
-                results = run_event_loop(run(args, scaled.registrars[0].address, members, tokens, pids))
+                results = run(args, scaled.registrars[0].address, members, tokens, pids)
             finally:
                 scaled.stop()
         else:
-            plane = start_control_plane(pathlib.Path(workdir), env=env, extra_args=leases)
+            plane = start_control_plane(pathlib.Path(workdir), env=env, extra_args=leases, engine_ids=engine_ids)
             try:
-                tokens = {identity: plane.token_file_of(identity).read_text().strip() for identity in DEFAULT_ENGINE_IDS}
-                results = run_event_loop(run(args, plane.address, {"": plane.address}, tokens, [plane.process.pid]))
+                tokens = {identity: plane.token_file_of(identity).read_text().strip() for identity in engine_ids}
+                results = run(args, plane.address, {"": plane.address}, tokens, [plane.process.pid])
             finally:
                 plane.stop()
     report(core_only(20_000), results, args)
