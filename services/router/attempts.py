@@ -88,6 +88,7 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
         if attempt > 1:
             left = _left_until_output(router, ctx)
             if left < RETRY_MIN_LEFT_S:
+                router.metrics.retries_skipped.inc()
                 ctx.span.add_event("retry_skipped", {ATTR_ATTEMPT: attempt, "kvpush.left_s": round(left, 3)})
                 break
             router.metrics.retries.inc()

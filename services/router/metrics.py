@@ -22,6 +22,9 @@ class RouterMetrics:
         self.requests = Counter("kvpush_router_requests", "Client requests answered, by API path and HTTP status", ["path", "status"], registry=r)
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed prefill or decode legs, by leg and cause", ["leg", "cause"], registry=r)
         self.retries = Counter("kvpush_router_retries", "Dispatches retried with a new attempt after a leg failed", registry=r)
+        self.retries_skipped = Counter(
+            "kvpush_router_retries_skipped", "Retries not made because too little was left of the request's deadline", registry=r
+        )
         self.cancel_failures = Counter("kvpush_router_cancel_failures", "CancelTransfer calls that did not succeed", registry=r)
         self.failed_requests = Counter(
             "kvpush_router_failed_requests",

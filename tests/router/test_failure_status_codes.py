@@ -249,6 +249,7 @@ async def test_no_retry_is_made_with_less_than_its_minimum_left(plane, spans):
         # The prefill leg's timeout leaves less than RETRY_MIN_LEFT_S of the transfer deadline.
         async with router_under_test(plane.port, [hung, spare], [decode], spans[0], transfer_timeout_ms=1000, prefill_timeout_s=0.95) as router:
             status, body, _ = await router.post("/v1/completions", BODY)
+            metrics = await router.metrics()
     finally:
         await stop(hung, spare, decode)
     error = error_of(body)
@@ -256,3 +257,4 @@ async def test_no_retry_is_made_with_less_than_its_minimum_left(plane, spans):
     assert not spare.received, "a retry with < 0.1 s left could only miss the deadline: the first failure is answered"
     retry_events = [e for s in spans[1].get_finished_spans() for e in s.events if e.name == "retry_skipped"]
     assert len(retry_events) == 1 and retry_events[0].attributes["kvpush.left_s"] < 0.1
+    assert "kvpush_router_retries_skipped_total 1.0" in metrics and "kvpush_router_retries_total 0.0" in metrics
