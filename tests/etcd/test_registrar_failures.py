@@ -32,19 +32,28 @@ async def _leader(etcd, cluster) -> int:
         await asyncio.sleep(0.1)
 
 
-async def _renew(replica, engine_id: str, leases: list[str], stop: asyncio.Event, unknown: list[str]) -> int:
-    """Renews leases on one KeepAlive stream every 0.3 s until stop; returns how many renewals answered."""
-    stream = replica.stub.KeepAlive(metadata=bearer(engine_id), timeout=60)
+async def _renew(replica, engine_id: str, leases: list[str], stop: asyncio.Event, unknown: list[str], failed: list[str]) -> int:
+    """Renews leases every 0.3 s until stop, on a KeepAlive stream opened again after a failure as an engine does; returns how many renewals answered.
+
+    A stream the replica ended (a renewal etcd could not answer within the
+    replica's etcd deadline) lands in failed: with grpc.aio, a write after
+    the server ended the call can replace its status by INTERNAL "Internal
+    error from Core" (grpc/grpc#36066), so only the failure is recorded.
+    """
     renewals = 0
-    try:
-        while not stop.is_set():
-            await stream.write(reg_pb.KeepAliveRequest(lease_ids=leases))
-            response = await asyncio.wait_for(stream.read(), WAIT_S)
-            unknown.extend(response.unknown_lease_ids)
-            renewals += 1
-            await asyncio.sleep(0.3)
-    finally:
-        stream.cancel()
+    while not stop.is_set():
+        stream = replica.stub.KeepAlive(metadata=bearer(engine_id), timeout=60)
+        try:
+            while not stop.is_set():
+                await stream.write(reg_pb.KeepAliveRequest(lease_ids=leases))
+                response = await asyncio.wait_for(stream.read(), WAIT_S)
+                unknown.extend(response.unknown_lease_ids)
+                renewals += 1
+                await asyncio.sleep(0.3)
+        except grpc.aio.AioRpcError as exc:
+            failed.append(f"{exc.code().name}: {exc.details()}")
+        finally:
+            stream.cancel()
     return renewals
 
 
@@ -52,8 +61,8 @@ async def test_an_etcd_member_killed_under_registrations_and_renewals_fails_noth
     endpoints = etcd_cluster.endpoints
     async with running_replica(endpoints, etcd_prefix) as a, running_replica(endpoints, etcd_prefix) as b:
         leases = [(await a.register(r)).lease_id for r in sample.engine_requests("decode-0", sample.DECODE, tp_size=2, lease_ttl_s=2)]
-        stop, unknown = asyncio.Event(), []
-        renewer = asyncio.create_task(_renew(b, "decode-0", leases, stop, unknown))
+        stop, unknown, failed = asyncio.Event(), [], []
+        renewer = asyncio.create_task(_renew(b, "decode-0", leases, stop, unknown, failed))
         leader = await _leader(etcd, etcd_cluster)
         etcd_cluster.kill(leader)
         try:
@@ -62,7 +71,9 @@ async def test_an_etcd_member_killed_under_registrations_and_renewals_fails_noth
                 await (a if i % 2 else b).register(sample.rank_request(engine_id, role))
             await asyncio.sleep(2.5)  # past decode-0's TTL: only the renewals keep it
             stop.set()
-            assert await renewer > 3 and unknown == []
+            # The leases live on: no renewal found one gone and renewals went on through the election
+            # (at most one stream ended by a renewal the election outlasted, and opened again).
+            assert await renewer > 3 and unknown == [] and len(failed) <= 1, (unknown, failed)
             for replica in (a, b):
                 for engine_id in ("decode-0", "prefill-0", "prefill-1", "decode-1"):
                     assert (await replica.engine(engine_id)).state == READY, engine_id
@@ -122,11 +133,11 @@ async def test_one_replica_killed_leaves_the_other_its_clients_and_the_broker_se
                 await a.kill()
                 # The rank's KeepAlive reconnects to b and keeps its lease past its TTL.
                 keep_alive.cancel()
-                stop, unknown = asyncio.Event(), []
-                renewer = asyncio.create_task(_renew(_ReplicaStub(stub_b), "prefill-0", [prefill.lease_id], stop, unknown))
+                stop, unknown, failed = asyncio.Event(), [], []
+                renewer = asyncio.create_task(_renew(_ReplicaStub(stub_b), "prefill-0", [prefill.lease_id], stop, unknown, failed))
                 await asyncio.sleep(2.5)
                 stop.set()
-                assert await renewer > 3 and unknown == []
+                assert await renewer > 3 and unknown == [] and failed == []
                 engines = (await stub_b.ListEngines(reg_pb.ListEnginesRequest(), metadata=bearer("router"), timeout=T)).engines
                 assert [(e.engine_id, e.state) for e in engines] == [("decode-0", READY), ("prefill-0", READY)]
                 # b's own watcher never noticed; it sees what comes next.
