@@ -7,10 +7,9 @@ by first_token_timeout_s until its first output (and between two streamed
 chunks) and by request_timeout_s in all. The first-output bound and the
 whole request's bound count from the request's arrival, the transfer
 deadline (push mode) from its first attempt: a retry gets what its
-predecessors left of them, so a
-request whose every attempt fails is still answered by its deadline, and
-none is made with less than RETRY_MIN_LEFT_S left. A leg that fails before any output
-reached the client ends its attempt: the transfer attempt is cancelled at
+predecessors left of them, so a request whose every attempt fails is still
+answered by its deadline, and none is made with less than RETRY_MIN_LEFT_S
+left. A leg that fails before any output reached the client ends its attempt: the transfer attempt is cancelled at
 the broker (push mode), the other leg is abandoned (closing its connection
 makes vLLM abort it) and, when the fault was an engine's and another engine
 is left to try, both legs go out again as attempt + 1. Once output has
@@ -124,12 +123,16 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
     return error_response(503, f"no {role} engine available", leg=role, reason=NO_ENGINE)
 
 
+def _first_output_limit(router: Router, ctx: RequestContext) -> float:
+    """The bound on the request's first output: first_token_timeout_s streamed, else the whole request's."""
+    return router.config.first_token_timeout_s if ctx.stream else router.config.request_timeout_s
+
+
 def _left_until_output(router: Router, ctx: RequestContext) -> float:
     """Seconds left of the request's first-output bound and, in push mode, of its transfer deadline."""
-    config = router.config
-    left = ctx.left_s(config.first_token_timeout_s if ctx.stream else config.request_timeout_s)
+    left = ctx.left_s(_first_output_limit(router, ctx))
     if ctx.transfer_deadline:
-        left = min(left, ctx.transfer_deadline - time.monotonic())
+        left = min(left, ctx.transfer_left_s())
     return left
 
 
@@ -143,7 +146,7 @@ async def _attempt_sequential(router: Router, ctx: RequestContext, attempt: int,
         raise LegFailure(PREFILL, p_endpoint, "protocol", "answered without kv_transfer_params (is it a kv_producer with NixlConnector?)")
     d_span = leg_span(router, ctx, DECODE, d_endpoint, attempt)
     decode = DecodeLeg(router, ctx, d_endpoint, decode_body(ctx.body, params), ctx.leg_headers(d_span, ctx.client_request_id), d_span)
-    limit = router.config.first_token_timeout_s if ctx.stream else router.config.request_timeout_s
+    limit = _first_output_limit(router, ctx)
     try:
         async with asyncio.timeout(ctx.left_s(limit)):
             await decode.open()
@@ -168,7 +171,7 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
         # The transfer deadline is the request's: the first attempt carries it,
         # a retry what is left of it (dispatch keeps that >= RETRY_MIN_LEFT_S).
         if ctx.transfer_deadline:
-            timeout_ms = max(1, int((ctx.transfer_deadline - time.monotonic()) * 1000))
+            timeout_ms = max(1, int(ctx.transfer_left_s() * 1000))
         else:
             ctx.transfer_deadline = time.monotonic() + config.transfer_timeout_ms / 1000
             timeout_ms = config.transfer_timeout_ms
@@ -211,7 +214,7 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
 async def _first_output(router: Router, ctx: RequestContext, p_task: asyncio.Task, d_task: asyncio.Task, p_endpoint: Endpoint, d_endpoint: Endpoint) -> None:
     """Waits for the decode leg's first output; raises the first leg failure, or a timeout naming the leg waited on."""
     loop = asyncio.get_running_loop()
-    limit = router.config.first_token_timeout_s if ctx.stream else router.config.request_timeout_s
+    limit = _first_output_limit(router, ctx)
     deadline = loop.time() + ctx.left_s(limit)
     pending: set[asyncio.Task] = {p_task, d_task}
     while not d_task.done():
@@ -254,9 +257,9 @@ async def _first_output_push(
     """
     loop = asyncio.get_running_loop()
     config = router.config
-    limit = config.first_token_timeout_s if ctx.stream else config.request_timeout_s
+    limit = _first_output_limit(router, ctx)
     deadline = loop.time() + ctx.left_s(limit)
-    guard_at = loop.time() + (ctx.transfer_deadline - time.monotonic()) + config.transfer_deadline_slack_s
+    guard_at = loop.time() + ctx.transfer_left_s() + config.transfer_deadline_slack_s
     poll_at = float("inf")  # when the long poll starts: set once the prefill leg has answered
     poll: asyncio.Task | None = None
     kv_arrived = False  # the broker said DONE: nothing left to ask it

@@ -60,6 +60,10 @@ class RequestContext:
         """Seconds left of a bound limit_s counted from the request's arrival (negative once it passed): retries share it."""
         return self.started + limit_s - time.monotonic()
 
+    def transfer_left_s(self) -> float:
+        """Push mode, once the first attempt set it: seconds left of the transfer deadline (negative once it passed)."""
+        return self.transfer_deadline - time.monotonic()
+
     def client_gone(self) -> bool:
         """Whether the client's connection closed (aiohttp drops the request's transport then)."""
         if self.client is None:
