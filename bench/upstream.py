@@ -12,7 +12,7 @@ The engines are a `kvpush.localstack` stack of mode "pull" or
   coordinates so D registers its blocks while P computes, and P WRITEs into
   them.
 
-`poll_delay_us` puts `bench/nixl_poll_delay` on the engines' PYTHONPATH, so
+`poll_delay_us` puts `bench/engine_hooks` on the engines' PYTHONPATH, so
 NIXL's UCX progress thread sleeps up to that long in `poll()` instead of
 spinning (the "spin removed" variant); `None` runs upstream as shipped.
 
@@ -41,25 +41,32 @@ from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.localstack.upstream import PREFILL_ENGINE_ID, SIDE_CHANNEL_HOST
 from kvpush.services.router.core import PULL_PREFILL_PARAMS
 
-POLL_DELAY_DIR = Path(__file__).resolve().parent / "nixl_poll_delay"
+ENGINE_HOOKS_DIR = Path(__file__).resolve().parent / "engine_hooks"
 # This module's names of the upstream modes -> the local stack's.
 STACK_MODES = {"pull": "pull", "push": "upstream-push"}
 
 
-def poll_delay_env(poll_delay_us: int | None) -> dict[str, str]:
-    """Engine environment that gives NIXL's progress thread a poll delay ({} for upstream as shipped)."""
-    if poll_delay_us is None:
-        return {}
-    return {
-        "PYTHONPATH": os.pathsep.join(p for p in (str(POLL_DELAY_DIR), os.environ.get("PYTHONPATH")) if p),
-        "KVPUSH_NIXL_PTHR_DELAY_US": str(poll_delay_us),
-    }
+def engine_hooks_env(*, poll_delay_us: int | None = None, vllm_spin_ms: float | None = None) -> dict[str, str]:
+    """Engine environment for `bench/engine_hooks` ({} when neither is given).
+
+    `poll_delay_us` gives NIXL's progress thread a poll delay (None: as
+    shipped, busy-polling); `vllm_spin_ms` bounds how long vLLM's
+    shared-memory queue readers spin after a read (None: vLLM's 1 s).
+    """
+    env = {}
+    if poll_delay_us is not None:
+        env["KVPUSH_NIXL_PTHR_DELAY_US"] = str(poll_delay_us)
+    if vllm_spin_ms is not None:
+        env["KVPUSH_VLLM_SPIN_MS"] = f"{vllm_spin_ms:g}"
+    if env:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ENGINE_HOOKS_DIR), os.environ.get("PYTHONPATH")) if p)
+    return env
 
 
 def upstream_spec(mode: str, *, poll_delay_us: int | None = 1000, prefill_cpus: str | None = None, decode_cpus: str | None = None,
                   router: bool = False, **spec_fields) -> StackSpec:
     """The stack of one upstream mode ("pull" or "push"), by default without a router (this module's routers send the legs)."""
-    return StackSpec(mode=STACK_MODES[mode], prefill_cpus=prefill_cpus, decode_cpus=decode_cpus, engine_env=poll_delay_env(poll_delay_us),
+    return StackSpec(mode=STACK_MODES[mode], prefill_cpus=prefill_cpus, decode_cpus=decode_cpus, engine_env=engine_hooks_env(poll_delay_us=poll_delay_us),
                      router=router, **spec_fields)
 
 

@@ -13,7 +13,9 @@ every P pinned to CPU 0 and every D to CPU 1:
 * pull: `NixlConnector`, `kvpush router --mode pull` (P leg, then D leg).
 
 Upstream engines run with the NIXL progress thread's spin removed (a 1 ms
-poll delay, bench/nixl_poll_delay) unless `--nixl-as-shipped`.
+poll delay, bench/engine_hooks) unless `--nixl-as-shipped`. With
+`--vllm-spin-ms`, every engine of every mode has vLLM's shared-memory queue
+spin (1 s after each read, ~95 % of an engine's CPU here) cut to that long.
 
 Load: per point (input length, QPS, output length, iteration) the same
 prompts and the same Poisson arrival times for every mode, streamed

@@ -35,6 +35,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=2.0, help="seconds of quiet after each run (vLLM workers spin ~1 s after a request)")
     parser.add_argument("--seed", type=int, default=0, help="prompts and arrival times derive from it")
     parser.add_argument("--nixl-as-shipped", action="store_true", help="upstream engines with NIXL's busy-polling progress thread (implies --one-stack-at-a-time)")
+    parser.add_argument("--vllm-spin-ms", type=float, default=None,
+                        help="every engine's vLLM shared-memory queue readers spin at most this long per wait instead of 1 s after each read "
+                             "(all modes alike; bench/engine_hooks)")
     parser.add_argument("--one-stack-at-a-time", action="store_true", help="run one mode's stack at a time (modes alternate per pass, not per point)")
     parser.add_argument("--kvpush-engine-tracing", action=argparse.BooleanOptionalAction, default=True,
                         help="kvpush engines and control plane export spans (the per-segment breakdown needs them; routers always do)")

@@ -59,7 +59,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     def bring_up(mode: str) -> None:
         t0 = time.monotonic()
         try:
-            stack = start_stack(mode, model_dir, work / mode, args.nixl_as_shipped, args.kvpush_engine_tracing, args.kvpush_extra_config)
+            stack = start_stack(mode, model_dir, work / mode, args.nixl_as_shipped, args.kvpush_engine_tracing, args.kvpush_extra_config,
+                                args.vllm_spin_ms)
         except Exception as exc:  # recorded; the other modes go on
             failed_start[mode] = f"stack did not start: {exc}"[:2000]
             tqdm.write(f"{mode}: {failed_start[mode]}")

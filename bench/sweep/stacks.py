@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.upstream import poll_delay_env
+from bench.upstream import engine_hooks_env
 from kvpush.localstack.control_plane import ControlPlaneHandle
 from kvpush.localstack.engines import ServerHandle
 from kvpush.localstack.stack import Stack, StackSpec
@@ -82,19 +82,22 @@ class ModeStack:
 
 
 def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, kvpush_engine_tracing: bool,
-                kvpush_extra: dict[str, Any]) -> ModeStack:
+                kvpush_extra: dict[str, Any], vllm_spin_ms: float | None = None) -> ModeStack:
     """Starts one mode's engines (P on PREFILL_CPUS, D on DECODE_CPUS, concurrently) and router.
 
     Every router exports its spans (router-side timings, kvpush transfer
     ids); kvpush's engines and control plane too unless
     `kvpush_engine_tracing` is off (to measure what tracing costs them).
     `kvpush_extra` goes into both kvpush engines' kv_connector_extra_config.
-    Upstream engines get NIXL's poll delay unless `nixl_as_shipped`.
+    Upstream engines get NIXL's poll delay unless `nixl_as_shipped`;
+    every engine's vLLM queue readers spin `vllm_spin_ms` after a read
+    (None: vLLM's 1 s), see bench/engine_hooks.
     """
+    poll_delay_us = None if mode == "kvpush" or nixl_as_shipped else NIXL_POLL_DELAY_US
     traces = work / "traces.jsonl"
     spec = StackSpec(
         mode=mode, prefill_cpus=PREFILL_CPUS, decode_cpus=DECODE_CPUS, traces_file=traces, trace_engines=kvpush_engine_tracing,
-        engine_env={} if mode == "kvpush" else poll_delay_env(None if nixl_as_shipped else NIXL_POLL_DELAY_US), kvpush_extra=kvpush_extra,
+        engine_env=engine_hooks_env(poll_delay_us=poll_delay_us, vllm_spin_ms=vllm_spin_ms), kvpush_extra=kvpush_extra,
         # Settled transfers stay queryable (GetTransfer) for the whole sweep; retention only bounds memory.
         control_plane_args=("--retention", "7200"), router_log_level="WARNING",
     )
