@@ -51,7 +51,8 @@ def engine_hooks_env(*, poll_delay_us: int | None = None, vllm_spin_ms: float | 
 
     `poll_delay_us` gives NIXL's progress thread a poll delay (None: as
     shipped, busy-polling); `vllm_spin_ms` bounds how long vLLM's
-    shared-memory queue readers spin after a read (None: vLLM's 1 s).
+    shared-memory queue readers spin per wait (None: vLLM's 1 s after each
+    read).
     """
     env = {}
     if poll_delay_us is not None:

@@ -17,11 +17,11 @@ module right after it loads, so vLLM's own import order is unchanged.
   the worker's answer) spin with `sched_yield()` for a second after each read,
   so each engine burns about a core for a second after every step. With the
   variable set, a reader spins at most that many milliseconds from the start
-  of each wait and then waits on the queue's ZMQ notification. That notification is best-effort (PUB with
-  `SNDHWM=1`): vLLM re-checks the queue every `SHM_READER_RECHECK_INTERVAL_MS`
-  (5 s) in case one is dropped, which a short spin makes frequent (with no
-  spin, p50 latency was seconds here), so the re-check becomes
-  `KVPUSH_VLLM_RECHECK_MS` (default 10).
+  of each wait and then waits on the queue's ZMQ notification. That
+  notification is best-effort (PUB with `SNDHWM=1`): vLLM re-checks the
+  queue every `SHM_READER_RECHECK_INTERVAL_MS` (5 s) in case one is dropped,
+  which a short spin makes frequent (with no spin, p50 latency was seconds
+  here), so the re-check becomes `KVPUSH_VLLM_RECHECK_MS` (default 10).
 """
 
 from __future__ import annotations

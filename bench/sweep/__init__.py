@@ -15,7 +15,8 @@ every P pinned to CPU 0 and every D to CPU 1:
 Upstream engines run with the NIXL progress thread's spin removed (a 1 ms
 poll delay, bench/engine_hooks) unless `--nixl-as-shipped`. With
 `--vllm-spin-ms`, every engine of every mode has vLLM's shared-memory queue
-spin (1 s after each read, ~95 % of an engine's CPU here) cut to that long.
+spin (1 s after each read, ~95 % of an engine's CPU here) cut to that long
+per wait.
 
 Load: per point (input length, QPS, output length, iteration) the same
 prompts and the same Poisson arrival times for every mode, streamed

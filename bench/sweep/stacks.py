@@ -90,8 +90,8 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
     `kvpush_engine_tracing` is off (to measure what tracing costs them).
     `kvpush_extra` goes into both kvpush engines' kv_connector_extra_config.
     Upstream engines get NIXL's poll delay unless `nixl_as_shipped`;
-    every engine's vLLM queue readers spin `vllm_spin_ms` after a read
-    (None: vLLM's 1 s), see bench/engine_hooks.
+    every engine's vLLM queue readers spin at most `vllm_spin_ms` per wait
+    (None: vLLM's 1 s after each read), see bench/engine_hooks.
     """
     poll_delay_us = None if mode == "kvpush" or nixl_as_shipped else NIXL_POLL_DELAY_US
     traces = work / "traces.jsonl"

@@ -9,8 +9,8 @@ whole request's bound count from the request's arrival, the transfer
 deadline (push mode) from its first attempt: a retry gets what its
 predecessors left of them, so a request whose every attempt fails is still
 answered by its deadline, and none is made with less than RETRY_MIN_LEFT_S
-left. A leg that fails before any output reached the client ends its attempt: the transfer attempt is cancelled at
-the broker (push mode), the other leg is abandoned (closing its connection
+left. A leg that fails before any output reached the client ends its
+attempt: the transfer attempt is cancelled at the broker (push mode), the other leg is abandoned (closing its connection
 makes vLLM abort it) and, when the fault was an engine's and another engine
 is left to try, both legs go out again as attempt + 1. Once output has
 reached the client nothing is retried (relay.py).
