@@ -78,7 +78,29 @@ class ConnectorConfig(Settings):
         help='P writes each layer\'s KV as soon as it is computed: "on", "off", or "auto" (on when the KV cache is in GPU memory)',
     )
     idle_wait_ms: float = setting(5.0, convert=float, positive=True, help="how long an idle engine step sleeps waiting for transfer progress")
-    poll_interval_ms: float = setting(0.5, convert=float, positive=True, help="NIXL progress interval while a transfer is expected")
+    poll_interval_ms: float = setting(0.5, convert=float, positive=True, help="NIXL polling interval while a WRITE is due (P posts it, or posted a part)")
+    waiting_poll_ms: int | None = setting(
+        None,
+        convert=_ms_or_auto,
+        at_least=0,
+        help="D's NIXL polling interval while its receives wait for prefills not about to end (P sends a due notification "
+        "due_notice_ms before the forward's predicted end; the most a receive's latency grows by when it is late); 0: poll every poll_interval_ms "
+        'throughout; "auto" (default): 5 for a KV cache in host memory (each poll takes the GIL and the core from the decode forward), '
+        "0 in GPU memory",
+    )
+    due_notice_ms: float = setting(
+        10.0,
+        convert=float,
+        at_least=0,
+        help="P tells a decode rank its WRITE is due this long before the forward computing it is predicted to end "
+        "(more than D's waiting_poll_ms, so D polls fast by then)",
+    )
+    fresh_poll_ms: float = setting(
+        20.0,
+        convert=float,
+        at_least=0,
+        help="D polls at poll_interval_ms this long after a receive is expected: a prefill already done writes right after D's registration",
+    )
     nixl_progress_thread_ms: int | None = setting(
         None,
         convert=_ms_or_auto,

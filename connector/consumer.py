@@ -9,8 +9,18 @@ rank has arrived and each named exactly the tokens the request registered,
 the request is reported received. ConsumerCore is
 deterministic (time from its Clock, NIXL through a transport), so the
 protocol simulation drives the same code; Consumer wraps it in the worker's
-transfer thread, which polls NIXL only while a receive is pending (and
-rarely otherwise, to let producers connect).
+transfer thread.
+
+How often the thread polls NIXL (each poll wakes a thread that takes the
+GIL on the core the decode forward runs on): every poll_interval while a
+WRITE to this rank is due, every waiting_poll while receives only wait,
+rarely (idle_poll) otherwise, to let producers connect. A WRITE is due
+once P said so (a due notification, sent near the predicted end of the
+forward that computes it), once a part of it landed (layer-progressive
+push), and
+for fresh_poll after a receive is expected (P may be done already: its
+WRITE then follows D's registration). A missed or lost hint costs at most
+waiting_poll of latency, never a receive.
 
 Failing a request is the decode scheduler's decision (it knows when the
 blocks are safe to reuse): fail(req_id) always reports it, once.
@@ -25,7 +35,7 @@ from dataclasses import dataclass, field
 
 from kvpush.connector.handoff import DestinationReady, Key
 from kvpush.connector.nixl_agent import HELLO
-from kvpush.connector.notification import Notification, parse_notification
+from kvpush.connector.notification import Notification, parse_due, parse_notification
 from kvpush.connector.transfer_thread import TransferThread
 from kvpush.services.common.clock import Clock
 
@@ -60,10 +70,13 @@ class UnclaimedNotifications:
 class ConsumerCore:
     """One decode rank's notification counting (single-threaded)."""
 
-    def __init__(self, transport, spans, clock: Clock):
+    def __init__(self, transport, spans, clock: Clock, *, waiting_poll_s: float | None = None, fresh_poll_s: float = 0.0):
+        """waiting_poll_s: how often to poll while receives wait and no WRITE is due (None: as often as when one is due)."""
         self.transport = transport
         self.spans = spans
         self.clock = clock
+        self.waiting_poll_s = waiting_poll_s
+        self.fresh_poll_s = fresh_poll_s
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
@@ -72,6 +85,9 @@ class ConsumerCore:
         self._pending: dict[Key, Receive] = {}
         self._by_request: dict[str, Key] = {}
         self._unclaimed: dict[Key, UnclaimedNotifications] = {}
+        self._due: set[Key] = set()  # pending receives a WRITE is due for
+        self._early_due: dict[Key, float] = {}  # due notifications ahead of the scheduler's metadata: when seen
+        self._fresh_until = float("-inf")  # the newest receive's fresh_poll window ends
         self.on_result = lambda: None
 
     # ---- inputs -------------------------------------------------------------------------
@@ -84,7 +100,8 @@ class ConsumerCore:
 
     @property
     def busy(self) -> bool:
-        return bool(self._pending)
+        """True while a WRITE to this rank is due: poll at the fast interval."""
+        return bool(self._pending) and (self.waiting_poll_s is None or bool(self._due) or self.clock.now() < self._fresh_until)
 
     def expect(self, recv: DestinationReady) -> None:
         key = (recv.transfer_id, recv.attempt)
@@ -95,6 +112,9 @@ class ConsumerCore:
             return
         receive = self._pending[key] = Receive(recv)
         self._by_request[recv.req_id] = key
+        self._fresh_until = self.clock.now() + self.fresh_poll_s
+        if self._early_due.pop(key, None) is not None:
+            self._due.add(key)
         unclaimed = self._unclaimed.pop(key, None)
         for note in unclaimed.notes if unclaimed is not None else ():
             self._count(receive, note)
@@ -104,6 +124,7 @@ class ConsumerCore:
         key = self._by_request.pop(req_id, None)
         if key is not None and self._pending.get(key) is not None and self._pending[key].expected.req_id == req_id:
             del self._pending[key]
+            self._due.discard(key)
         if req_id not in self._reported:
             logger.warning("kvpush consumer: request %s failed: %s", req_id, reason)
             self._publish(req_id, failed=True)
@@ -118,17 +139,33 @@ class ConsumerCore:
     # ---- progress -------------------------------------------------------------------------
 
     def step(self) -> float | None:
+        """Takes new notifications; returns when to poll next at the latest while receives wait (None: the thread's intervals rule).
+
+        Returned while a WRITE is due too: the fresh window may end before
+        the thread next looks at `busy`, and must not leave it waiting for
+        idle_poll then.
+        """
         for sender, messages in self.transport.notifications().items():
             for message in messages:
                 self._on_notification(sender, message)
-        if self._unclaimed:
-            cutoff = self.clock.now() - EARLY_NOTIFICATION_TTL_S
+        now = self.clock.now()
+        if self._unclaimed or self._early_due:
+            cutoff = now - EARLY_NOTIFICATION_TTL_S
             for key in [k for k, u in self._unclaimed.items() if u.first_seen < cutoff]:
                 del self._unclaimed[key]
-        return None
+            for key in [k for k, seen in self._early_due.items() if seen < cutoff]:
+                del self._early_due[key]
+        return now + self.waiting_poll_s if self._pending and self.waiting_poll_s is not None else None
 
     def _on_notification(self, sender: str, message: bytes) -> None:
         if message == HELLO:
+            return
+        due = parse_due(message)
+        if due is not None:
+            if due in self._pending:
+                self._due.add(due)
+            else:
+                self._early_due[due] = self.clock.now()
             return
         note = parse_notification(message)
         if note is None:
@@ -150,6 +187,7 @@ class ConsumerCore:
                          note.key, note.producer, note.first_token, note.num_tokens, expected.req_id, expected.first_token, expected.num_tokens)
             return
         receive.parts_seen[note.producer] = receive.parts_seen.get(note.producer, 0) + 1
+        self._due.add((receive.expected.transfer_id, receive.expected.attempt))  # more parts or ranks may follow at once
         if note.parts:
             receive.parts_total[note.producer] = note.parts
         receive.needed = note.needed
@@ -157,6 +195,7 @@ class ConsumerCore:
     def _check(self, key: Key, receive: Receive) -> None:
         if receive.needed and receive.complete_producers() >= receive.needed:
             del self._pending[key]
+            self._due.discard(key)
             self._by_request.pop(receive.expected.req_id, None)
             now_ns = int(self.clock.wall() * 1e9)
             self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=receive.needed, parts=sum(receive.parts_seen.values()))

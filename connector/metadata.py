@@ -19,6 +19,7 @@ class KvpushMetadata(KVConnectorMetadata):
     recvs: list[DestinationReady] = field(default_factory=list)
     fails: dict[str, str] = field(default_factory=dict)  # D: req_id -> reason; report as failed receive
     idle: bool = False  # no tokens scheduled: the worker may sleep until transfer progress
+    scheduled_tokens: int = 0  # P: tokens this step's forward computes (it predicts the forward's end)
 
 
 @dataclass

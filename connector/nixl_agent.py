@@ -128,7 +128,11 @@ class KvAgent:
         Connection setup costs tens of milliseconds over UCX; it completes as
         both agents make progress, long before a request needs it.
         """
-        self._agent.send_notif(peer, HELLO)
+        self.send_notif(peer, HELLO)
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        """Sends a notification not bound to a WRITE."""
+        self._agent.send_notif(peer, message)
 
     def make_write(self, peer: str, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, src_device: int, dst_device: int,
                    notif: bytes) -> NixlWrite:

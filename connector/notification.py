@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The completion notification a WRITE carries: how a prefill rank tells a decode rank which tokens landed.
+"""The notifications a prefill rank sends a decode rank: a WRITE's completion (which tokens landed), and that a WRITE is due.
 
-Both sides read this one format: the producer builds it (notification), the
-consumer parses it (parse_notification). Transfer ids never contain '|'.
+Both sides read these formats: the producer builds them (notification,
+due_notification), the consumer parses them (parse_notification,
+parse_due). Transfer ids never contain '|'. A decode rank from before the
+due notification logs and ignores it (it is a hint: nothing waits for it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from kvpush.connector.handoff import Key
 
 NOTIF_PREFIX = "kvpush1"
+DUE_TAG = "due"
 
 
 def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int,
@@ -46,3 +49,19 @@ def parse_notification(message: bytes) -> Notification | None:
     except ValueError:
         return None
     return Notification((transfer_id, numbers[0]), *numbers[1:])
+
+
+def due_notification(transfer_id: str, attempt: int) -> bytes:
+    """A WRITE to this attempt's blocks is due: its order is here and its forward ends soon (sent standalone, before the WRITE)."""
+    return f"{NOTIF_PREFIX}|{DUE_TAG}|{transfer_id}|{attempt}".encode()
+
+
+def parse_due(message: bytes) -> Key | None:
+    """The attempt a due notification names, or None if the message is not one."""
+    fields = message.decode(errors="replace").split("|")
+    if len(fields) != 4 or fields[0] != NOTIF_PREFIX or fields[1] != DUE_TAG:
+        return None
+    try:
+        return fields[2], int(fields[3])
+    except ValueError:
+        return None

@@ -26,6 +26,7 @@ from typing import Protocol
 
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
+from kvpush.connector.notification import due_notification
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer_records import FAILED, REVOKED, WRITTEN, Computing, Job, Key, Order, Source
 from kvpush.connector.transfer_thread import TransferThread
@@ -47,6 +48,7 @@ class Transport(Protocol):
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, name: str) -> None: ...
     def warm_up(self, peer: str) -> None: ...
+    def send_notif(self, peer: str, message: bytes) -> None: ...
     def make_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> NixlWrite: ...
     def prepare_pages(self, peer: str | None, rows) -> object: ...
     def forget_pages(self, prepared: object) -> None: ...
@@ -108,7 +110,7 @@ class ProducerCore(Posting):
         if kind == "source":
             self.source_ready(item[1], item[2])
         elif kind == "computing":
-            self.computing(item[1], item[2])
+            self.computing(*item[1:])
         elif kind == "layer":
             self.layer_done(item[1], item[2], item[3])
         elif kind == "stream":
@@ -152,11 +154,15 @@ class ProducerCore(Posting):
             # After the post: with an early order the WRITE is already on its way; the broker needs this only to match.
             self._prefill_done(ready)
 
-    def computing(self, ready: SourceReady, whole: bool = False) -> None:
-        """This source's forward has started: its layers may be written as they are computed, or (whole) its WRITE made ahead."""
+    def computing(self, ready: SourceReady, whole: bool = False, announce_at: float | None = None) -> None:
+        """This source's forward has started: its layers may be written as they are computed, or (whole) its WRITE made ahead.
+
+        announce_at: when to tell its decode ranks the WRITE is due (None: at once).
+        """
         key = (ready.transfer_id, ready.attempt)
         if key not in self._closed and key not in self._outcomes and key not in self._sources and key not in self._computing:
-            self._computing[key] = Computing(ready, whole)
+            self._computing[key] = Computing(ready, whole, announce_at=float("-inf") if announce_at is None else announce_at)
+            self._announce(key)
             if whole:
                 self._try_start(key)
 
@@ -244,7 +250,35 @@ class ProducerCore(Posting):
             self._answer(key, REVOKED, 0, "the attempt was closed before its order arrived")
             return
         self._orders[key] = Order(order, stream, post_by, self._wall_ns(), sent_ns)
+        self._announce(key)
         self._try_start(key)
+
+    def _announce(self, key: Key) -> None:
+        """Tells the order's decode ranks that its WRITE is due: they poll NIXL fast until it lands.
+
+        Once per attempt, to the decode ranks this rank writes to, once both
+        the source's forward runs and its order is here, and not before the
+        source's announce_at (near the forward's predicted end). A hint
+        only: a decode rank that misses it finds the WRITE at its slower
+        polling.
+        """
+        computing, order = self._computing.get(key), self._orders.get(key)
+        if computing is None or order is None or computing.announced or self.clock.now() < computing.announce_at:
+            return  # step() announces it when its time comes
+        destination = order.order.destination
+        peer = self._peers.get(destination.engine_id)
+        if peer is None or peer.incarnation != destination.incarnation:
+            return
+        computing.announced = True
+        message = due_notification(*key)
+        for d_rank in order.order.decode_tp_ranks:
+            rank = peer.ranks.get(d_rank)
+            if rank is None:
+                continue
+            try:
+                self.transport.send_notif(rank.agent, message)
+            except Exception as exc:  # a hint: the WRITE itself does not depend on it
+                logger.debug("kvpush producer: due notification of %s to %s not sent: %s", key, rank.agent, exc)
 
     def engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
         engine = event.engine
@@ -344,7 +378,11 @@ class ProducerCore(Posting):
                 self._retiring.remove(rank)
         if not self._jobs:
             self.transport.notifications()  # progresses connection setup with decode agents
+        announcing = [k for k, c in self._computing.items() if not c.announced and k in self._orders]
+        for key in announcing:
+            self._announce(key)
         due = [s.hold_until for k, s in self._sources.items() if k not in self._jobs]
+        due += [self._computing[k].announce_at for k in announcing if self._computing[k].announce_at > now]
         due += [o.post_by for o in self._orders.values()] + [j.abort_at for j in self._jobs.values()]
         due += [self._streams[s] for s in {o.stream for o in self._orders.values()} if s in self._streams]
         return min(due) if due else None
@@ -421,9 +459,12 @@ class Producer:
         """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
         self._thread.put(("source", ready, ready_event))
 
-    def computing(self, ready: SourceReady, whole: bool = False) -> None:
-        """This source's forward starts now: layer-progressive push follows its layers; whole: its WRITE is made ahead, posted at the end."""
-        self._thread.put(("computing", ready, whole))
+    def computing(self, ready: SourceReady, whole: bool = False, announce_at: float | None = None) -> None:
+        """This source's forward starts now: layer-progressive push follows its layers; whole: its WRITE is made ahead, posted at the end.
+
+        announce_at: when (time.monotonic) its decode ranks are told the WRITE is due; None: at once.
+        """
+        self._thread.put(("computing", ready, whole, announce_at))
 
     def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
         """Layer-progressive push: `layer` of these sources is computed (event: recorded after it, on GPU)."""

@@ -48,6 +48,8 @@ class Computing:
     done: set[int] = field(default_factory=set)
     event: object = None  # CUDA event recorded after the newest computed layer
     made: MadeWrites | None = None
+    announce_at: float = float("-inf")  # when to tell its decode ranks a WRITE is due (monotonic: near the forward's predicted end)
+    announced: bool = False  # they were told
 
 
 @dataclass

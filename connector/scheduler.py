@@ -305,7 +305,8 @@ class PrefillScheduler(_Scheduler):
 
     def build_connector_meta(self, scheduler_output: Any) -> KvpushMetadata:
         now_ns = time.time_ns()
-        meta = KvpushMetadata(idle=scheduler_output.total_num_scheduled_tokens == 0)
+        tokens = scheduler_output.total_num_scheduled_tokens
+        meta = KvpushMetadata(idle=tokens == 0, scheduled_tokens=tokens)
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             track = self._tracks.get(req_id)
             if track is None or track.handed_over:

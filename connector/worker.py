@@ -21,6 +21,7 @@ import torch
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.control import ControlSession
+from kvpush.connector.forward_times import ForwardTimes
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 TRANSFER_FORMAT = "kvpush1"
 AUTO_PROGRESS_THREAD_MS = 5  # nixl_progress_thread_ms "auto" for a KV cache in host memory
+AUTO_WAITING_POLL_MS = 5  # waiting_poll_ms "auto" for a KV cache in host memory
 
 
 def incarnation_of(vllm_config: Any, engine_id: str) -> str:
@@ -90,6 +92,7 @@ class KvpushWorker:
         self._layer_index: dict[str, int] = {}
         self._forward_meta: KvpushMetadata | None = None  # the step whose forward is running (layer-progressive push)
         self._computing: tuple[tuple[str, int], ...] = ()  # its completing sources' keys
+        self.forward_times = ForwardTimes()  # P: when the running forward should end (decode ranks are told ahead)
 
     # ---- startup --------------------------------------------------------------------
 
@@ -140,7 +143,12 @@ class KvpushWorker:
             self.session.follow_members("StreamWriteOrders", lambda broker: broker.stream_write_orders(orders),
                                         self.producer.open_stream, self.producer.stream_lost)
         else:
-            self.consumer = Consumer(ConsumerCore(self.agent, self.spans, clock), poll_s, idle_s)
+            waiting_ms = self.config.waiting_poll_ms
+            if waiting_ms is None:  # "auto"
+                waiting_ms = 0 if self.memory_is_device else AUTO_WAITING_POLL_MS
+            core = ConsumerCore(self.agent, self.spans, clock, waiting_poll_s=waiting_ms / 1000 if waiting_ms else None,
+                                fresh_poll_s=self.config.fresh_poll_ms / 1000)
+            self.consumer = Consumer(core, poll_s, idle_s)
         logger.info("kvpush: %s rank tp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank,
                     layout.memory_kind and engine_pb2.MemoryKind.Name(layout.memory_kind), len(layout.regions), name)
 
@@ -173,11 +181,15 @@ class KvpushWorker:
         """The step's metadata is bound: its forward runs next (vLLM calls start_load_kv only after launching it).
 
         The transfer thread makes the WRITEs of the step's completing prefills
-        meanwhile, so the forward's end (wait_for_save) only has them posted.
+        meanwhile, so the forward's end (wait_for_save) only has them posted,
+        and tells their decode ranks due_notice_ms before the forward's
+        predicted end that the WRITEs are due.
         """
         if self.producer is not None and not self.progressive:
+            ends_at = self.forward_times.started(time.monotonic(), meta.scheduled_tokens)
+            announce_at = ends_at - self.config.due_notice_ms / 1000 if ends_at is not None else None
             for source in meta.sources:
-                self.producer.computing(source, whole=True)
+                self.producer.computing(source, whole=True, announce_at=announce_at)
 
     def start_load_kv(self, meta: KvpushMetadata) -> None:
         if self.consumer is not None:
@@ -214,6 +226,7 @@ class KvpushWorker:
 
     def wait_for_save(self, meta: KvpushMetadata) -> None:
         self._forward_meta, self._computing = None, ()
+        self.forward_times.ended(time.monotonic())
         if self.producer is None or not meta.sources:
             return
         ready_event = None

@@ -139,8 +139,19 @@ def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, A
             "cores_other_stacks": mean(sum(sum(parts.values()) for m, parts in r["cores_used"].items() if m != mode) for r in runs),
             "cpu_ms_per_request_p": mean(r.get("cpu_ms_per_request", {}).get("P") for r in runs),
             "cpu_ms_per_request_d": mean(r.get("cpu_ms_per_request", {}).get("D") for r in runs),
+            "thread_cpu_ms_per_request": per_thread(runs),
         })
     return table
+
+
+def per_thread(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """{engine: {process/thread: CPU ms per request of each iteration}}, where a thread used any."""
+    threads: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        for engine, used in r.get("thread_cpu_ms_per_request", {}).items():
+            for thread, ms in used.items():
+                threads[engine][thread].append(ms)
+    return {engine: dict(used) for engine, used in threads.items()}
 
 
 def targets(rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, Any]:

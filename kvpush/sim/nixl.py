@@ -123,6 +123,7 @@ class ProducerTransport:
         self.failed_posts = failed_posts
         # Its own generator: schedules without refused posts stay as they were recorded (tests/sim/defects.py).
         self._post_rng = random.Random(f"kvpush-sim-posts-{process.world.seed}-{name}")
+        self._hint_rng = random.Random(f"kvpush-sim-hints-{process.world.seed}-{name}")  # likewise for due notifications
         self.fabric = fabric
         self.name = name
         self.write_time = write_time
@@ -148,6 +149,17 @@ class ProducerTransport:
 
     def warm_up(self, peer: str) -> None:
         pass
+
+    def send_notif(self, peer: str, message: bytes) -> None:
+        """A standalone notification: it arrives a moment later, or never if the peer is gone by then."""
+        agent = self.fabric.agents.get(peer)
+        if agent is not None:
+            world = self.process.world
+            world.at(world.time + self._hint_rng.uniform(0.0001, 0.002), self._deliver, agent, peer, message)
+
+    def _deliver(self, agent: DecodeAgent, peer: str, message: bytes) -> None:
+        if self.fabric.agents.get(peer) is agent:
+            agent.inbox.setdefault(self.name, []).append(message)
 
     def make_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> NixlWrite:
         parts = notif.decode().split("|")
@@ -189,8 +201,7 @@ class ProducerTransport:
             world.at(world.time + world.rng.uniform(0.0001, 0.002), self._notify, agent, write)
 
     def _notify(self, agent: DecodeAgent, write: SimWrite) -> None:
-        if self.fabric.agents.get(write.dest) is agent:
-            agent.inbox.setdefault(self.name, []).append(write.notif)
+        self._deliver(agent, write.dest, write.notif)
 
     def poll(self, write: NixlWrite) -> str:
         sim = self.in_flight[write.handle]

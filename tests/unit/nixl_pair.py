@@ -178,12 +178,13 @@ class Pair:
         self.producer.stream_message(stream, self.message(kind, transfer_id, **kwargs))
 
     def source(self, transfer_id: str = "t1", req_id: str = "p-req", blocks=(7, 2, 9, 4), num_tokens: int = 110, hold_s: float = 30.0,
-               prompt: Sequence[int] | None = None, *, computing: bool = False, whole: bool = False) -> SourceReady:
-        """The source is ready (the forward ended); computing: its forward only starts (whole: its KV is written at the end)."""
+               prompt: Sequence[int] | None = None, *, computing: bool = False, whole: bool = False,
+               announce_at: float | None = None) -> SourceReady:
+        """The source is ready (the forward ended); computing: its forward only starts (whole: its KV is written at the end; D is told it is due at announce_at)."""
         packed = packed_prompt(prompt) if prompt is not None else b""
         ready = SourceReady(req_id, transfer_id, 1, req_id, "decode-t", (tuple(blocks),), num_tokens, hold_s, "", 0, 0, packed)
         if computing:
-            self.producer.computing(ready, whole)
+            self.producer.computing(ready, whole, announce_at)
         else:
             self.producer.source_ready(ready)
         return ready
@@ -243,11 +244,11 @@ class Pair:
 
 
 @contextlib.contextmanager
-def transfer_threads() -> Iterator[tuple[Pair, Producer, Consumer]]:
-    """A Pair on the system clock with a Producer and a Consumer thread over it (POLL, IDLE), the producer knowing the pair's engine; stopped on the way out."""
+def transfer_threads(idle: float = IDLE) -> Iterator[tuple[Pair, Producer, Consumer]]:
+    """A Pair on the system clock with a Producer and a Consumer thread over it (POLL, idle), the producer knowing the pair's engine; stopped on the way out."""
     pair = Pair(clock=SystemClock())
-    producer = Producer(pair.producer, POLL, IDLE)
-    consumer = Consumer(pair.consumer, POLL, IDLE)
+    producer = Producer(pair.producer, POLL, idle)
+    consumer = Consumer(pair.consumer, POLL, idle)
     producer.on_engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))
     try:
         yield pair, producer, consumer

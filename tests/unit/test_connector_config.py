@@ -25,6 +25,8 @@ def test_valid_config(tmp_path):
     assert config.nixl_progress_thread_ms is None  # "auto": resolved by the worker from where the KV cache is
     assert ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, nixl_progress_thread_ms="auto")).nixl_progress_thread_ms is None
     assert ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, nixl_progress_thread_ms=0)).nixl_progress_thread_ms == 0
+    assert config.waiting_poll_ms is None and config.fresh_poll_ms == 20.0  # "auto": resolved by the worker, as above
+    assert ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, waiting_poll_ms=0, fresh_poll_ms=0)).waiting_poll_ms == 0
     assert config.broker == ""  # the broker is at control_plane
     apart = ConnectorConfig.from_kv_transfer_config(transfer_config(tmp_path, broker="ipv4:127.0.0.1:7001,127.0.0.1:7002"))
     assert apart.broker == "ipv4:127.0.0.1:7001,127.0.0.1:7002"
@@ -43,6 +45,8 @@ def test_valid_config(tmp_path):
         ({"nixl_progress_thread_ms": -1}, "nixl_progress_thread_ms=-1: expected at least 0"),
         ({"nixl_progress_thread_ms": "fast"}, 'nixl_progress_thread_ms=\'fast\': expected "auto" or whole milliseconds'),
         ({"nixl_progress_thread_ms": 0.5}, 'nixl_progress_thread_ms=0.5: expected "auto" or whole milliseconds'),
+        ({"waiting_poll_ms": -5}, "waiting_poll_ms=-5: expected at least 0"),
+        ({"fresh_poll_ms": -1}, "fresh_poll_ms=-1: expected at least 0"),
         ({"poll_intervall_ms": 1}, "unknown kv_connector_extra_config keys ['poll_intervall_ms']"),
         ({"token": "inline"}, "not in the engine's command line"),
         ({"token_file": "/nonexistent/token"}, "token_file: cannot read"),

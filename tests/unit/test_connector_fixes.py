@@ -41,6 +41,9 @@ class RecordingTransport:
     def warm_up(self, peer: str) -> None:
         pass
 
+    def send_notif(self, peer: str, message: bytes) -> None:
+        pass
+
     def make_write(self, peer, src, dst, lengths, src_device, dst_device, notif):
         return NixlWrite({"peer": peer, "src_device": src_device, "dst_device": dst_device}, peer, 1, 1)
 

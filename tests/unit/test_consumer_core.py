@@ -1,13 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ConsumerCore over real NIXL: notifications, their TTL, failing once; the notification format."""
+"""ConsumerCore over real NIXL: notifications, their TTL, failing once, polling fast only while a WRITE is due; the notification formats."""
 
 from __future__ import annotations
 
+import pytest
 from nixl_pair import Pair
 
 from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S
 from kvpush.connector.nixl_agent import HELLO
-from kvpush.connector.notification import Notification, notification, parse_notification
+from kvpush.connector.notification import Notification, due_notification, notification, parse_due, parse_notification
+
+WAITING_POLL_S, FRESH_POLL_S = 0.005, 0.02
+
+
+def polls_slowly_while_waiting(pair: Pair) -> Pair:
+    """The decode worker's settings: slow polling while receives wait, fast for fresh ones and due WRITEs."""
+    pair.consumer.waiting_poll_s, pair.consumer.fresh_poll_s = WAITING_POLL_S, FRESH_POLL_S
+    return pair
 
 # ----- the consumer -----
 
@@ -66,6 +75,69 @@ def test_fail_after_success_is_a_no_op(pair: Pair):
     assert pair.received() == (set(), set())
 
 
+def test_a_receive_is_polled_slowly_until_p_says_its_write_is_due(pair: Pair):
+    polls_slowly_while_waiting(pair)
+    pair.expect("t1", num_tokens=110)
+    assert pair.consumer.busy  # fresh: P may be done already
+    # Even then the next poll is bounded: the fresh window may end before the thread next looks.
+    assert pair.consumer.step() == pair.clock.now() + WAITING_POLL_S
+    pair.clock.advance(FRESH_POLL_S)
+    assert not pair.consumer.busy
+    assert pair.consumer.step() == pair.clock.now() + WAITING_POLL_S  # waits, polled every WAITING_POLL_S
+    pair.send("order", "t1", blocks=(5, 1), num_tokens=110)
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110, computing=True, whole=True)  # P's forward starts: P says so
+    assert pair.pump(lambda: pair.consumer.busy)
+    assert pair.received() == (set(), set())
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110)
+    assert pair.pump(pair.results) == ({"d-req"}, set())
+    assert not pair.consumer.busy and pair.consumer.step() is None  # nothing waits
+    pair.check_bytes((7, 2, 9, 4), (5, 1), 0, 110)
+
+
+def test_a_due_notification_ahead_of_the_schedulers_expectation_counts_when_it_comes(pair: Pair):
+    polls_slowly_while_waiting(pair)
+    pair.send("order", "t1", blocks=(5, 1), num_tokens=110)
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110, computing=True, whole=True)
+    pair.settle()  # the due notification arrives before D's worker knows the request
+    pair.expect("t1", num_tokens=110)
+    pair.clock.advance(FRESH_POLL_S)
+    assert pair.consumer.busy
+
+
+def test_p_says_a_write_is_due_once_and_only_with_its_order(pair: Pair):
+    polls_slowly_while_waiting(pair)
+    pair.expect("t1", num_tokens=110)
+    pair.clock.advance(FRESH_POLL_S)
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110, computing=True, whole=True)
+    pair.settle()
+    assert not pair.consumer.busy  # a forward with no order here yet: no WRITE is due
+    pair.send("order", "t1", blocks=(5, 1), num_tokens=110)  # the order arrives during the forward
+    assert pair.pump(lambda: pair.consumer.busy)
+
+
+def test_p_says_a_write_is_due_near_the_forwards_predicted_end(pair: Pair):
+    polls_slowly_while_waiting(pair)
+    pair.expect("t1", num_tokens=110)
+    pair.clock.advance(FRESH_POLL_S)
+    pair.send("order", "t1", blocks=(5, 1), num_tokens=110)
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110, computing=True, whole=True, announce_at=pair.clock.now() + 0.05)
+    pair.settle()
+    assert not pair.consumer.busy  # the forward runs, its end is not near yet
+    assert pair.producer.step() == pytest.approx(pair.clock.now() + 0.05)  # the transfer thread wakes to say it
+    pair.clock.advance(0.05)
+    assert pair.pump(lambda: pair.consumer.busy)
+
+
+def test_failing_a_due_receive_ends_the_fast_polling(pair: Pair):
+    polls_slowly_while_waiting(pair)
+    pair.expect("t1", num_tokens=110)
+    pair.send("order", "t1", blocks=(5, 1), num_tokens=110)
+    pair.source("t1", blocks=(7, 2, 9, 4), num_tokens=110, computing=True, whole=True)
+    assert pair.pump(lambda: pair.consumer.busy)
+    pair.consumer.fail("d-req", "deadline")
+    assert not pair.consumer.busy and pair.received() == ({"d-req"}, {"d-req"})
+
+
 def test_notification_format_round_trips():
     message = notification("xfer-1", 3, 1, 2, 64, 86)
     assert message == b"kvpush1|xfer-1|3|1|2|64|86|1|1"
@@ -79,3 +151,13 @@ def test_notification_format_round_trips():
     assert parse_notification(b"kvpush1|a|1|2|3") is None  # the old five-field format
     assert parse_notification(b"kvpush1|a|x|2|3|0|1") is None
     assert parse_notification(HELLO) is None
+
+
+def test_due_notification_format_round_trips():
+    message = due_notification("xfer-1", 3)
+    assert message == b"kvpush1|due|xfer-1|3"
+    assert parse_due(message) == ("xfer-1", 3)
+    assert parse_notification(message) is None  # never counted as a WRITE's completion
+    assert parse_due(notification("xfer-1", 3, 1, 2, 64, 86)) is None
+    assert parse_due(b"kvpush1|due|xfer-1|x") is None
+    assert parse_due(HELLO) is None

@@ -1,11 +1,11 @@
 # SPDX-FileCopyrightText: 2026 The kvpush Authors
 # SPDX-License-Identifier: Apache-2.0
-"""The sweep's engine-free logic (bench/sweep/grid.py, bench/sweep/report.py): run names, the grid, workloads and the target verdicts."""
+"""The sweep's engine-free logic (bench/sweep/grid.py, bench/sweep/report.py): run names, the grid, workloads, the target verdicts, per-thread CPU."""
 
 from __future__ import annotations
 
 from bench.sweep.grid import Point, build_grid, make_workload, requests_for
-from bench.sweep.report import cpu_verdict, targets
+from bench.sweep.report import cpu_verdict, per_thread, targets
 
 MODES = ("kvpush", "upstream-push", "pull")
 
@@ -79,3 +79,11 @@ def test_cpu_target_compares_kvpush_with_upstream_push_on_each_engine():
     missed = cpu_verdict([side(1, "kvpush", 40.0, 81.0), side(1, "upstream-push", 100.0, 100.0)])
     assert not missed["met"] and missed["ratios"][0]["d"] == 0.81
     assert not cpu_verdict([side(1, "kvpush", 40.0, 80.0)])["met"]  # nothing to compare with
+
+
+def test_thread_cpu_is_listed_per_iteration_for_each_engine():
+    runs = [{"thread_cpu_ms_per_request": {"D": {"VLLM::Worker/kvpush-consumer": 2.5, "VLLM::Worker/VLLM::Worker": 190.0}}},
+            {"thread_cpu_ms_per_request": {"D": {"VLLM::Worker/kvpush-consumer": 1.5}, "P": {"python/python": 10.0}}},
+            {}]  # a run from before per-thread readings
+    assert per_thread(runs) == {"D": {"VLLM::Worker/kvpush-consumer": [2.5, 1.5], "VLLM::Worker/VLLM::Worker": [190.0]},
+                                "P": {"python/python": [10.0]}}

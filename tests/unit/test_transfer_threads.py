@@ -70,3 +70,15 @@ def test_the_consumer_thread_reports_a_failure_once(threads):
     time.sleep(0.1)
     assert consumer.take_results() == (set(), set())
     assert not consumer.has_work()
+
+
+def test_a_receive_left_without_a_due_notification_is_polled_at_the_waiting_interval_not_the_idle_one():
+    """After its fresh window, a receive P never said was due is still polled every waiting interval (5 ms), not every idle_poll (60 s here)."""
+    with transfer_threads(idle=60.0) as (pair, producer, consumer):
+        pair.consumer.waiting_poll_s, pair.consumer.fresh_poll_s = 0.005, 0.02
+        deliver = producer.open_stream()
+        consumer.expect(DestinationReady("d-req", "t1", 1, 0, 110, time.time_ns(), ""))
+        time.sleep(0.1)  # the fresh window is over; P never says the WRITE is due (its source is ready at once)
+        deliver(pair.message("order", "t1"))
+        producer.source_ready(SourceReady("p-req", "t1", 1, "p-req", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0))
+        assert wait(lambda: consumer.take_results() if consumer.ready.wait(0.05) else None) == ({"d-req"}, set())
