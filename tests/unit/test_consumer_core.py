@@ -104,7 +104,7 @@ def test_a_due_notification_ahead_of_the_schedulers_expectation_counts_when_it_c
     assert pair.consumer.busy
 
 
-def test_p_says_a_write_is_due_once_and_only_with_its_order(pair: Pair):
+def test_p_says_a_write_is_due_only_once_its_order_is_here(pair: Pair):
     polls_slowly_while_waiting(pair)
     pair.expect("t1", num_tokens=110)
     pair.clock.advance(FRESH_POLL_S)
