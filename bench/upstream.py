@@ -46,15 +46,17 @@ ENGINE_HOOKS_DIR = Path(__file__).resolve().parent / "engine_hooks"
 STACK_MODES = {"pull": "pull", "push": "upstream-push"}
 
 
-def engine_hooks_env(*, poll_delay_us: int | None = None, vllm_spin_ms: float | None = None) -> dict[str, str]:
-    """Engine environment for `bench/engine_hooks` ({} when neither is given).
+def engine_hooks_env(*, poll_delay_us: int | None = None, vllm_spin_ms: float | None = None, step_timeline_dir: Path | None = None) -> dict[str, str]:
+    """Engine environment for `bench/engine_hooks` ({} when none is given).
 
     `poll_delay_us` gives NIXL's progress thread a poll delay (None: as
     shipped, busy-polling); `vllm_spin_ms` bounds how long vLLM's
     shared-memory queue readers spin per wait (None: vLLM's 1 s after each
-    read).
+    read); `step_timeline_dir` gets every engine process's step timeline.
     """
     env = {}
+    if step_timeline_dir is not None:
+        env["KVPUSH_STEP_TIMELINE_DIR"] = str(step_timeline_dir)
     if poll_delay_us is not None:
         env["KVPUSH_NIXL_PTHR_DELAY_US"] = str(poll_delay_us)
     if vllm_spin_ms is not None:

@@ -73,7 +73,8 @@ class ProducerCore(Posting):
         plan_writes: Callable[[Source, Order, Peer], list[WritePlan]] | None = None,
         prefill_done: Callable[[SourceReady], None] | None = None,
     ):
-        """prefill_done: tells the broker a source is ready (one rank of an engine does); called after any WRITE it could post at once."""
+        """prefill_done: tells the broker a source is ready (one rank of an engine does): at once when no WRITE could be posted
+        for it, else just before that WRITE's result (early orders need it only for the broker's record)."""
         self.transport = transport
         self.local = local
         self.engine_id = engine_id
@@ -102,6 +103,7 @@ class ProducerCore(Posting):
         # Whose order (or revocation) each key's answer answers: the member that sent it holds the attempt,
         # and takes the answer even once the transfer moved to another member.
         self._answer_to: OrderedDict[Key, str] = OrderedDict()
+        self._prefill_done_with_result: dict[Key, SourceReady] = {}  # prefill-done reports held for their WRITE's result
 
     # ---- inputs (from the transfer thread's inbox) ----------------------------------
 
@@ -151,8 +153,13 @@ class ProducerCore(Posting):
         if computing is not None and computing.made is not None:
             self._discard_made(computing)  # not posted: its order or peer changed, or the source failed its checks
         if self._prefill_done is not None:
-            # After the post: with an early order the WRITE is already on its way; the broker needs this only to match.
-            self._prefill_done(ready)
+            if key in self._jobs:
+                # An early order's WRITE is on its way and the broker needs this report only to match: it goes with the
+                # WRITE's result (_finish), in the same stream message, rather than as one more message (and one more
+                # wake-up of the control loop) at the end of this forward.
+                self._prefill_done_with_result[key] = ready
+            else:
+                self._prefill_done(ready)
 
     def computing(self, ready: SourceReady, whole: bool = False, announce_at: float | None = None) -> None:
         """This source's forward has started: its layers may be written as they are computed, or (whole) its WRITE made ahead.
@@ -406,6 +413,9 @@ class ProducerCore(Posting):
         for w in job.writes:
             self.transport.release(w)  # aborts a WRITE still in flight
         del self._jobs[key]
+        held = self._prefill_done_with_result.pop(key, None)
+        if held is not None:
+            self._prefill_done(held)  # first: the broker then reads the report before the result, as when it came first
         nbytes = sum(w.bytes for w in job.writes)
         descriptors = sum(w.descriptors for w in job.writes)
         ready = job.source.ready

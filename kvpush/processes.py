@@ -92,6 +92,28 @@ def thread_cpu_seconds(pids: list[int]) -> dict[str, float]:
     return totals
 
 
+def thread_runqueue_wait_seconds(pids: list[int]) -> dict[str, float]:
+    """Seconds each thread name spent runnable but not running (waiting for its CPU), same keys as thread_cpu_seconds.
+
+    From /proc/<pid>/task/<tid>/schedstat (run, runqueue wait, timeslices; ns):
+    for a pinned engine, how long others on its core kept each of its threads waiting.
+    """
+    totals: dict[str, float] = {}
+    for pid in pids:
+        process_name = _comm(pid, pid)
+        for tid in thread_ids([pid]):
+            thread_name = _comm(pid, tid)
+            try:
+                waited_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if process_name is None or thread_name is None:
+                continue
+            key = f"{process_name}/{thread_name}"
+            totals[key] = totals.get(key, 0.0) + waited_ns / 1e9
+    return totals
+
+
 def parse_cpu_list(cpu_list: str) -> set[int]:
     """CPU ids of a taskset-style list such as "0", "0-1" or "0,2-3"."""
     cpus: set[int] = set()

@@ -22,6 +22,14 @@ module right after it loads, so vLLM's own import order is unchanged.
   queue every `SHM_READER_RECHECK_INTERVAL_MS` (5 s) in case one is dropped,
   which a short spin makes frequent (with no spin, p50 latency was seconds
   here), so the re-check becomes `KVPUSH_VLLM_RECHECK_MS` (default 10).
+* `KVPUSH_STEP_TIMELINE_DIR`: every engine process appends one line per call
+  of the engine step's parts (`<part> <start> <end>`, CLOCK_MONOTONIC seconds,
+  shared by all processes) to `<dir>/<process group>-<pid>.log`: the engine
+  core's `step`, `schedule`, `update_from_output`, its wait for the
+  worker's `execute_model` answer and its `sample_tokens` call; the worker's
+  `execute_model`, `_model_forward` and `sample_tokens`. The process group is
+  the engine's (its API server's pid), so P's and D's lines can be told
+  apart; `bench.step_timeline` reads them.
 """
 
 from __future__ import annotations
@@ -38,6 +46,18 @@ VLLM_RECHECK_ENV = "KVPUSH_VLLM_RECHECK_MS"
 DEFAULT_VLLM_RECHECK_MS = 10
 NIXL_API_MODULES = ("nixl_cu12._api", "nixl_cu13._api")
 SHM_BROADCAST_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+STEP_TIMELINE_ENV = "KVPUSH_STEP_TIMELINE_DIR"
+# (module, class, method, part): the engine step's parts the timeline records.
+STEP_PARTS = (
+    ("vllm.v1.engine.core", "EngineCore", "step", "core.step"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "core.schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output", "core.update_from_output"),
+    ("vllm.v1.executor.multiproc_executor", "FutureWrapper", "result", "core.wait_execute_model"),
+    ("vllm.v1.executor.multiproc_executor", "MultiprocExecutor", "sample_tokens", "core.sample_tokens"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "execute_model", "worker.execute_model"),
+    ("vllm.v1.worker.gpu_worker", "Worker", "sample_tokens", "worker.sample_tokens"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward", "worker.model_forward"),
+)
 
 
 class _BindingsWithDelay:
@@ -98,6 +118,37 @@ def patch_shm_broadcast(module, spin_ms: float, recheck_ms: int) -> None:
     module.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
 
 
+class StepTimeline:
+    """Appends `<part> <start> <end>` lines of one process to its file (opened on the first line)."""
+
+    def __init__(self, folder: str):
+        self._path = os.path.join(folder, f"{os.getpgid(0)}-{os.getpid()}.log")
+        self._file = None
+
+    def record(self, part: str, start: float, end: float) -> None:
+        if self._file is None:
+            self._file = open(self._path, "a", buffering=1)  # noqa: SIM115 (open for the process's life)
+        self._file.write(f"{part} {start:.6f} {end:.6f}\n")
+
+
+def patch_step_part(module, class_name: str, method: str, part: str, timeline: StepTimeline) -> None:
+    """Times every call of `class_name.method` of a loaded module as `part`."""
+    cls = getattr(module, class_name)
+    original = getattr(cls, method)
+    if getattr(original, "_kvpush_part", None) is not None:
+        return
+
+    def timed(self, *args, **kwargs):
+        start = time.monotonic()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            timeline.record(part, start, time.monotonic())
+
+    timed._kvpush_part = part
+    setattr(cls, method, timed)
+
+
 class _PatchingLoader(importlib.abc.Loader):
     def __init__(self, loader, patch: Callable):
         self._loader = loader
@@ -150,6 +201,11 @@ def patches_from_env(env) -> dict[str, Callable]:
         spin_ms = float(env[VLLM_SPIN_ENV])
         recheck_ms = int(env.get(VLLM_RECHECK_ENV) or DEFAULT_VLLM_RECHECK_MS)
         patches[SHM_BROADCAST_MODULE] = lambda m: patch_shm_broadcast(m, spin_ms, recheck_ms)
+    if env.get(STEP_TIMELINE_ENV):
+        timeline = StepTimeline(env[STEP_TIMELINE_ENV])
+        for module in {m for m, _, _, _ in STEP_PARTS}:
+            parts = [(c, meth, part) for m, c, meth, part in STEP_PARTS if m == module]
+            patches[module] = lambda mod, parts=parts: [patch_step_part(mod, c, meth, part, timeline) for c, meth, part in parts]
     return patches
 
 

@@ -46,6 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measure-idle", action="store_true", help="measure every running stack's idle cores after each start")
     parser.add_argument("--quick", action="store_true", help="a small grid to validate end to end: 256 and 1024 tokens, QPS 1 and 4, output 16, one iteration")
     parser.add_argument("--report-only", action="store_true", help="print the tables and targets of --results-dir and write summary.json")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="sample every process of P and D with py-spy during each run (on-CPU samples, every thread) into this folder")
+    parser.add_argument("--step-timeline", action="store_true",
+                        help="every engine process records its step's parts into <results-dir>/step-timeline (bench/engine_hooks); "
+                             "python -m bench.step_timeline <results-dir> prints them per run")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report's tables as Markdown here")
     parser.add_argument("--model", type=Path, default=None, help="tiny model folder (built if missing)")
     args = parser.parse_args(argv)

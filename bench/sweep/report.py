@@ -140,15 +140,16 @@ def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, A
             "cpu_ms_per_request_p": mean(r.get("cpu_ms_per_request", {}).get("P") for r in runs),
             "cpu_ms_per_request_d": mean(r.get("cpu_ms_per_request", {}).get("D") for r in runs),
             "thread_cpu_ms_per_request": per_thread(runs),
+            "thread_runqueue_wait_ms_per_request": per_thread(runs, "thread_runqueue_wait_ms_per_request"),
         })
     return table
 
 
-def per_thread(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
-    """{engine: {process/thread: CPU ms per request of each iteration}}, where a thread used any."""
+def per_thread(runs: Sequence[dict[str, Any]], field: str = "thread_cpu_ms_per_request") -> dict[str, dict[str, list[float]]]:
+    """{engine: {process/thread: ms per request of each iteration}} of a per-thread field (CPU, or runqueue wait), where a thread had any."""
     threads: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
-        for engine, used in r.get("thread_cpu_ms_per_request", {}).items():
+        for engine, used in r.get(field, {}).items():
             for thread, ms in used.items():
                 threads[engine][thread].append(ms)
     return {engine: dict(used) for engine, used in threads.items()}

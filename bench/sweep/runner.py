@@ -59,8 +59,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     def bring_up(mode: str) -> None:
         t0 = time.monotonic()
         try:
+            timeline = args.results_dir.resolve() / "step-timeline" if args.step_timeline else None
+            if timeline is not None:
+                timeline.mkdir(parents=True, exist_ok=True)
             stack = start_stack(mode, model_dir, work / mode, args.nixl_as_shipped, args.kvpush_engine_tracing, args.kvpush_extra_config,
-                                args.vllm_spin_ms)
+                                args.vllm_spin_ms, timeline)
         except Exception as exc:  # recorded; the other modes go on
             failed_start[mode] = f"stack did not start: {exc}"[:2000]
             tqdm.write(f"{mode}: {failed_start[mode]}")

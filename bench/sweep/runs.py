@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench.pyspy import start_profilers, stop_profilers
 from bench.sweep.grid import Point, Workload
 from bench.sweep.load import run_load
 from bench.sweep.measure import (
@@ -26,7 +27,7 @@ from bench.sweep.measure import (
 from bench.sweep.stacks import DECODE_CPUS, NIXL_POLL_DELAY_US, PREFILL_CPUS, ModeStack
 from bench.sweep.summary import check_correctness, stats, summarize
 from kvpush.localstack.completions import Completion
-from kvpush.processes import thread_cpu_seconds
+from kvpush.processes import thread_cpu_seconds, thread_runqueue_wait_seconds
 
 METRICS_SETTLE_TIMEOUT_S = 5.0
 
@@ -40,14 +41,20 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     before = {"P": histogram_totals(stack.prefill.url), "D": histogram_totals(stack.decode.url)}
     cpu_before = {s.mode: s.cpu_seconds() for s in stacks}
     threads_before = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
+    waits_before = {"P": thread_runqueue_wait_seconds(stack.prefill.pids()), "D": thread_runqueue_wait_seconds(stack.decode.pids())}
     offset = stack.spans.offset()
 
     def done() -> None:
         progress.update(1)
 
+    profilers = start_profilers(stack, args.profile, point.run_name(mode)) if args.profile else []
+    started = time.monotonic()
     records, wall = asyncio.run(run_load(stack.router_url, workload, mode, args.request_timeout, done))
+    ended = time.monotonic()
+    stop_profilers(profilers)
     cpu_after = {s.mode: s.cpu_seconds() for s in stacks}
     threads_after = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
+    waits_after = {"P": thread_runqueue_wait_seconds(stack.prefill.pids()), "D": thread_runqueue_wait_seconds(stack.decode.pids())}
     # The engines publish their histograms with scheduler stats; the NIXL counts may trail the last response.
     expected_transfers = len([r for r in records if r.ok])
     deadline = time.monotonic() + METRICS_SETTLE_TIMEOUT_S
@@ -71,6 +78,8 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     completed = max(summary["completed"], 1)
     summary["cpu_ms_per_request"] = {part: (cpu_after[mode][part] - cpu_before[mode][part]) * 1000 / completed for part in ("P", "D")}
     summary["thread_cpu_ms_per_request"] = {part: thread_breakdown(threads_before[part], threads_after[part], completed) for part in ("P", "D")}
+    # Time each thread was runnable but kept off its core by others (runqueue wait): what steals a pinned engine's core.
+    summary["thread_runqueue_wait_ms_per_request"] = {part: thread_breakdown(waits_before[part], waits_after[part], completed) for part in ("P", "D")}
     summary["threads_repinned"] = moved_threads
     if mode == "kvpush":
         summary["kv_bytes"] = kvpush_kv_check(stack, spans, prefix, point)
@@ -88,6 +97,9 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
         "layout": "one stack at a time" if args.one_stack_at_a_time else "all stacks up, modes alternating per point",
         "kvpush_engine_tracing": args.kvpush_engine_tracing,
         "kvpush_extra_config": args.kvpush_extra_config,
+        # The load's span on CLOCK_MONOTONIC and each engine's process group: where this run is in a step timeline.
+        "monotonic_window_s": [started, ended],
+        "engine_groups": {"P": stack.prefill.pid, "D": stack.decode.pid},
         "summary": summary,
         "requests": [dict(r.figures(), router=router_side.get(r.request_id)) for r in records],
     }

@@ -88,15 +88,35 @@ def test_destination_descriptors_use_the_decode_ranks_device_not_ours():
     assert transport.posts == [{"peer": "d0", "src_device": 0, "dst_device": 1}]
 
 
-def test_prefill_done_is_reported_after_the_early_orders_write_is_posted():
-    """Issue 9: nothing control-plane-bound sits between the end of prefill and the WRITE post."""
+def test_prefill_done_goes_with_the_early_orders_write_result():
+    """Issue 9: nothing control-plane-bound sits between the end of prefill and the WRITE post, and an early order's
+    prefill-done leaves with its WRITE's result (one stream message), just before it; without an order it leaves at once."""
     transport = RecordingTransport()
     events: list[str] = []
     transport.start = lambda write: events.append("post")
+    states = iter(["PROC", "DONE"])
+    transport.poll = lambda write: next(states)
     core = producer_with_early_order(transport, d_device=0, prefill_done=lambda ready: events.append(f"prefill-done {ready.transfer_id}"))
+    core.report = lambda result: events.append(f"result {result.key.transfer_id} {tr_pb.WriteOutcome.Name(result.outcome)}")
     core.source_ready(SourceReady("r", "t", 1, "r", "decode-0", ((0,),), 4, 10.0, "", 0, 0))
     core.source_ready(SourceReady("r2", "u", 1, "r2", "decode-0", ((1,),), 4, 10.0, "", 0, 0))  # no order yet: the broker matches it
-    assert events == ["post", "prefill-done t", "prefill-done u"]
+    assert events == ["post", "prefill-done u"]
+    core.step()  # the WRITE is still in flight
+    assert events == ["post", "prefill-done u"]
+    core.step()
+    assert events == ["post", "prefill-done u", "prefill-done t", "result t WRITE_OUTCOME_WRITTEN"]
+
+
+def test_prefill_done_goes_with_a_failed_write_result_too():
+    transport = RecordingTransport()
+    events: list[str] = []
+    transport.poll = lambda write: "ERR"
+    core = producer_with_early_order(transport, d_device=0, prefill_done=lambda ready: events.append(f"prefill-done {ready.transfer_id}"))
+    core.report = lambda result: events.append(f"result {tr_pb.WriteOutcome.Name(result.outcome)}")
+    core.source_ready(SourceReady("r", "t", 1, "r", "decode-0", ((0,),), 4, 10.0, "", 0, 0))
+    core.step()
+    assert events == ["prefill-done t", "result WRITE_OUTCOME_FAILED"]
+    assert core._prefill_done_with_result == {}
 
 
 def test_a_release_racing_with_take_finished_is_not_lost():

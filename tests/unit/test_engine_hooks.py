@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import pickle
@@ -90,3 +91,37 @@ def test_the_nixl_delay_patch_wraps_the_agent_bindings():
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["_BindingsWithDelay", "1000"]
     assert Path(ENGINE_HOOKS_DIR, "sitecustomize.py").is_file()
+
+
+def test_the_step_timeline_times_each_part_of_the_engine_step(tmp_path):
+    probe = ("import json, importlib, sitecustomize as h\n"
+             "parts = {}\n"
+             "for module, cls, method, part in h.STEP_PARTS:\n"
+             "    parts[part] = getattr(getattr(importlib.import_module(module), cls), method)._kvpush_part\n"
+             "print(json.dumps(parts))")
+    env = {**os.environ, **engine_hooks_env(step_timeline_dir=tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
+    parts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(parts) == 8 and all(part == patched for part, patched in parts.items())
+
+
+def test_a_timed_call_leaves_one_line_in_its_process_file(tmp_path):
+    spec = importlib.util.spec_from_file_location("engine_hooks_under_test", ENGINE_HOOKS_DIR / "sitecustomize.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+
+    class Step:
+        def run(self, seconds):
+            time.sleep(seconds)
+            return "ran"
+
+    module = type(sys)("stand_in")
+    module.Step = Step
+    hooks.patch_step_part(module, "Step", "run", "core.step", hooks.StepTimeline(str(tmp_path)))
+    hooks.patch_step_part(module, "Step", "run", "core.step", hooks.StepTimeline(str(tmp_path)))  # patched once only
+    assert Step().run(0.02) == "ran"
+    (log,) = tmp_path.iterdir()
+    assert log.name == f"{os.getpgid(0)}-{os.getpid()}.log"
+    (line,) = log.read_text().splitlines()
+    part, start, end = line.split()
+    assert part == "core.step" and 0.02 <= float(end) - float(start) < 1.0

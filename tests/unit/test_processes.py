@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import threading
 import time
 
-from kvpush.processes import cpu_seconds, group_members, name_os_thread, thread_cpu_seconds, thread_ids
+from kvpush.processes import cpu_seconds, group_members, name_os_thread, thread_cpu_seconds, thread_ids, thread_runqueue_wait_seconds
 
 
 def test_group_members_lists_a_new_group_and_not_its_zombie():
@@ -60,3 +61,27 @@ def test_a_gone_process_counts_nothing():
     assert cpu_seconds(gone.pid) == 0.0
     assert thread_cpu_seconds([gone.pid]) == {}
     assert thread_ids([gone.pid]) == []
+    assert thread_runqueue_wait_seconds([gone.pid]) == {}
+
+
+SPIN_S = 0.6
+
+
+def test_runqueue_wait_of_two_processes_sharing_one_core():
+    """Two spinning processes pinned to one CPU take turns: each waits for the core while the other runs."""
+    spin = (f"import os, time\nos.sched_setaffinity(0, {{0}})\nend = time.monotonic() + {SPIN_S}\nwhile time.monotonic() < end: pass\n"
+            "print('spun', flush=True)\ntime.sleep(30)")
+    children = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for child in children:
+            ready, _, _ = select.select([child.stdout], [], [], 20)
+            assert ready and child.stdout.readline().strip() == "spun"
+        waited = [sum(thread_runqueue_wait_seconds([c.pid]).values()) for c in children]
+        # Each spins SPIN_S of wall time on a core it shares with the other spinner: a good part of it is spent waiting.
+        assert all(w > SPIN_S * 0.2 for w in waited), waited
+        (key,) = thread_runqueue_wait_seconds([children[0].pid])
+        assert key.startswith("python")
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()

@@ -87,3 +87,5 @@ def test_thread_cpu_is_listed_per_iteration_for_each_engine():
             {}]  # a run from before per-thread readings
     assert per_thread(runs) == {"D": {"VLLM::Worker/kvpush-consumer": [2.5, 1.5], "VLLM::Worker/VLLM::Worker": [190.0]},
                                 "P": {"python/python": [10.0]}}
+    waits = [{"thread_runqueue_wait_ms_per_request": {"P": {"VLLM::Worker/VLLM::Worker": 40.8}}}, runs[0]]
+    assert per_thread(waits, "thread_runqueue_wait_ms_per_request") == {"P": {"VLLM::Worker/VLLM::Worker": [40.8]}}

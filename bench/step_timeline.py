@@ -1,0 +1,132 @@
+# SPDX-FileCopyrightText: 2026 The kvpush Authors
+# SPDX-License-Identifier: Apache-2.0
+"""Where an engine step's time goes, per sweep run: `python -m bench.step_timeline <results-dir>`.
+
+Reads what `bench.sweep --step-timeline` recorded (bench/engine_hooks: each
+engine process's calls of the step's parts on CLOCK_MONOTONIC) and, for every
+step of a run that ran the model on the chosen engine (P by default), splits
+the engine core's schedule → output into:
+
+    schedule            the scheduler's schedule()
+    to_forward          schedule end → the worker's model forward starts (broadcast, input preparation)
+    model_forward       the model's forward (GPUModelRunner._model_forward)
+    after_forward       forward end → the worker's execute_model returns (a connector's wait_for_save, get_finished)
+    answer_to_core      execute_model returned → the engine core has the answer
+    sample              the engine core's sample_tokens call (RPC to the worker and back)
+    output              sample_tokens returned → update_from_output done
+    step                schedule end → update_from_output done: vLLM's "prefill time" of a prompt done in one step
+
+and prints p50 and mean of each, per run. The engine core and worker are
+told apart by what they recorded; one worker per engine (TP 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+PARTS = ("schedule", "to_forward", "model_forward", "after_forward", "answer_to_core", "sample", "output", "step")
+
+Calls = dict[str, list[tuple[float, float]]]
+
+
+def read_calls(path: Path) -> Calls:
+    """part -> sorted (start, end) of one process's timeline file."""
+    calls: Calls = defaultdict(list)
+    for line in path.read_text().splitlines():
+        part, start, end = line.split()
+        calls[part].append((float(start), float(end)))
+    return {part: sorted(spans) for part, spans in calls.items()}
+
+
+def engine_processes(folder: Path, group: int) -> tuple[Calls, Calls]:
+    """(engine core, worker) calls of the engine whose process group is `group`."""
+    core: Calls | None = None
+    worker: Calls | None = None
+    for path in sorted(folder.glob(f"{group}-*.log")):
+        calls = read_calls(path)
+        if "core.step" in calls:
+            core = calls
+        elif "worker.execute_model" in calls and (worker is None or len(calls["worker.execute_model"]) > len(worker["worker.execute_model"])):
+            worker = calls
+    if core is None or worker is None:
+        raise ValueError(f"no engine core and worker timeline of process group {group} in {folder}")
+    return core, worker
+
+
+def _within(spans: list[tuple[float, float]], start: float, end: float) -> list[tuple[float, float]]:
+    """The spans that start in [start, end]."""
+    lo = bisect.bisect_left(spans, (start, float("-inf")))
+    hi = bisect.bisect_right(spans, (end, float("inf")))
+    return spans[lo:hi]
+
+
+def forward_steps(core: Calls, worker: Calls, window: tuple[float, float]) -> list[dict[str, float]]:
+    """The parts (ms) of each step in `window` whose engine core called sample_tokens (the steps that ran the model)."""
+    steps = []
+    for step_start, step_end in _within(core.get("core.step", []), *window):
+        sample = _within(core.get("core.sample_tokens", []), step_start, step_end)
+        schedule = _within(core.get("core.schedule", []), step_start, step_end)
+        update = _within(core.get("core.update_from_output", []), step_start, step_end)
+        if not (sample and schedule and update):
+            continue
+        answered = [w for w in _within(core.get("core.wait_execute_model", []), step_start, step_end) if w[1] <= sample[0][0]]
+        executed = [e for e in _within(worker.get("worker.execute_model", []), schedule[0][1], sample[0][0])
+                    if _within(worker.get("worker.model_forward", []), e[0], e[1])]
+        if not (answered and executed):
+            continue
+        execute = executed[-1]
+        forward = _within(worker["worker.model_forward"], execute[0], execute[1])[0]
+        parts = {
+            "schedule": schedule[0][1] - schedule[0][0],
+            "to_forward": forward[0] - schedule[0][1],
+            "model_forward": forward[1] - forward[0],
+            "after_forward": execute[1] - forward[1],
+            "answer_to_core": answered[-1][1] - execute[1],
+            "sample": sample[0][1] - sample[0][0],
+            "output": update[0][1] - sample[0][1],
+            "step": update[0][1] - schedule[0][1],
+        }
+        steps.append({k: v * 1000 for k, v in parts.items()})
+    return steps
+
+
+def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
+    return {"steps": len(steps), **{part: {"p50": statistics.median(s[part] for s in steps), "mean": statistics.mean(s[part] for s in steps)}
+                                    for part in PARTS if steps}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.step_timeline", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results_dir", type=Path, help="a bench.sweep --step-timeline results directory")
+    parser.add_argument("--engine", choices=("P", "D"), default="P")
+    args = parser.parse_args(argv)
+    folder = args.results_dir / "step-timeline"
+    if not folder.is_dir():
+        parser.error(f"{folder} does not exist: run bench.sweep with --step-timeline")
+    table = {}
+    for path in sorted(args.results_dir.glob("*.json")):
+        run = json.loads(path.read_text())
+        if "monotonic_window_s" not in run:
+            continue
+        core, worker = engine_processes(folder, run["engine_groups"][args.engine])
+        table[run["run"]] = summarize(forward_steps(core, worker, tuple(run["monotonic_window_s"])))
+    if not table:
+        parser.error(f"no run with a recorded window in {args.results_dir}")
+    print(f"{args.engine}'s steps that ran the model, ms (p50 / mean)")
+    print(f"{'run':<44}{'steps':>6}" + "".join(f"{p:>20}" for p in PARTS))
+    for name, row in table.items():
+        cells = "".join(f"{row[p]['p50']:>11.2f} /{row[p]['mean']:>7.2f}" if p in row else f"{'-':>20}" for p in PARTS)
+        print(f"{name:<44}{row['steps']:>6}{cells}")
+    (args.results_dir / f"step-timeline-{args.engine}.json").write_text(json.dumps(table, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
