@@ -33,15 +33,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+from bench.pyspy import MISSING as PYSPY_MISSING
+from bench.pyspy import RATE_HZ, pyspy_binary, start_profilers, stop_profilers
 from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.localstack.transfers import dispatch
@@ -53,7 +53,6 @@ TARGET_POSTED_P50_MS = 1.0
 TARGET_SCHEDULED_P50_MS = 2.0
 NEEDED_SPANS = ("p.prefill", "p.descriptor_prep", "p.write_post", "p.write_transfer", "d.wait_for_kv", "d.first_decode_step")
 SPANS_TIMEOUT_S = 10.0
-PROFILE_RATE_HZ = 100
 # (name, from, to): each an (span, "start"|"end") instant; the first four add up to `scheduled`.
 SEGMENTS = (
     ("until_matched", ("p.prefill", "end"), ("p.descriptor_prep", "start")),
@@ -87,21 +86,6 @@ def segment_samples(named: dict[str, dict]) -> dict[str, float]:
     return {name: (named[to[0]][f"{to[1]}_ns"] - named[frm[0]][f"{frm[1]}_ns"]) / 1e6 for name, frm, to in SEGMENTS}
 
 
-def start_profilers(stack: Stack, out: Path, label: str, seconds: float) -> list[subprocess.Popen]:
-    """py-spy record (GIL holders only) on P's and D's processes with kvpush threads for `seconds`; one raw file each."""
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(f"{label}-*.txt"):
-        stale.unlink()  # an earlier run's processes
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    profilers = []
-    for role, engine in (("P", stack.prefill), ("D", stack.decode)):
-        for pid in [p for p in engine.pids() if runs_kvpush_threads(p)]:
-            command = [spy, "record", "--pid", str(pid), "--threads", "--gil", "--nonblocking", "--rate", str(PROFILE_RATE_HZ),
-                       "--duration", str(max(1, round(seconds))), "--format", "raw", "--output", str(out / f"{label}-{role}-{pid}.txt")]
-            profilers.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    return profilers
-
-
 def runs_kvpush_threads(pid: int) -> bool:
     """Whether a process has a thread kvpush named (kvpush.processes.name_os_thread)."""
     return any(key.split("/", 1)[1].startswith("kvpush") for key in thread_cpu_seconds([pid]))
@@ -123,7 +107,7 @@ def profile_summary(out: Path, label: str, transfers: int) -> dict:
             per_thread[key] += int(count)
             if name.startswith("kvpush") and calls:
                 frames[key][calls[-1]] += int(count)
-    ms_per_sample = 1000 / PROFILE_RATE_HZ
+    ms_per_sample = 1000 / RATE_HZ
     return {
         "transfers": transfers,
         "gil_ms_per_transfer": {k: v * ms_per_sample / max(transfers, 1) for k, v in per_thread.most_common()},
@@ -132,7 +116,7 @@ def profile_summary(out: Path, label: str, transfers: int) -> dict:
 
 
 def print_profile(label: str, summary: dict) -> None:
-    print(f"\npy-spy --gil, {label}: ms holding the GIL per transfer ({summary['transfers']} transfers; 10 ms per sample)")
+    print(f"\npy-spy --gil, {label}: ms holding the GIL per transfer ({summary['transfers']} transfers; {1000 / RATE_HZ:g} ms per sample)")
     for key, ms in summary["gil_ms_per_transfer"].items():
         if ms >= 0.05:
             print(f"  {key:<60}{ms:>9.2f}")
@@ -183,13 +167,9 @@ def run_orders(work: Path, model_dir: Path, early_orders: bool, args) -> list[di
             dispatch(stack.prefill.url, "prefill-0", stack.decode.url, "decode-0", prompt_token_ids(args.prompt_tokens, seed=10_000 + i), 2)
         for qps in args.qps:
             label = f"{orders}-qps{qps:g}"
-            profilers = start_profilers(stack, args.profile, label, args.requests / qps) if args.profile else []
+            profilers = start_profilers(stack, args.profile, label, gil=True, only=runs_kvpush_threads) if args.profile else []
             measured, failures, elapsed = run_load(stack, qps, args)
-            for profiler in profilers:
-                try:
-                    profiler.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    profiler.kill()
+            stop_profilers(profilers)
             # Read the spans while the engines still run: spans in an engine's
             # export batch when it is stopped would be lost.
             deadline = time.monotonic() + SPANS_TIMEOUT_S
@@ -255,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     parser.add_argument("--profile", type=Path, help="sample P's and D's processes with py-spy into this folder during each load")
     args = parser.parse_args(argv)
-    if args.profile and not (shutil.which("py-spy") or Path(sys.executable).with_name("py-spy").exists()):
-        parser.error("--profile needs py-spy (pip install py-spy, or the [profile] extra)")
+    if args.profile and pyspy_binary() is None:
+        parser.error(f"--profile {PYSPY_MISSING}")
     model_dir = build_tiny_model(default_model_dir())
     results = []
     with tempfile.TemporaryDirectory(prefix="kvpush-handoff-") as tmp:

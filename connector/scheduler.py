@@ -78,6 +78,7 @@ class _Scheduler:
     def shutdown(self) -> None:
         if self.session is not None:
             self.session.close()
+        self.spans.close()
 
 
 class DecodeScheduler(_Scheduler):

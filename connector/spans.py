@@ -33,6 +33,8 @@ TRACER_NAME = "kvpush.connector"
 BUILD_INTERVAL_S = 0.5
 # Recorded segments kept while the builder lags; the oldest go first (telemetry never grows without bound).
 MAX_PENDING = 100_000
+# How long close() lets the exporters write what is recorded (an engine's shutdown waits at most this).
+CLOSE_EXPORT_TIMEOUT_S = 2.0
 
 
 def parent_sampled(traceparent: str) -> bool:
@@ -51,6 +53,7 @@ class Spans:
         self.engine_id = engine_id
         self.role = role
         provider = provider or trace.get_tracer_provider()
+        self._provider = provider
         # Without a configured SDK every span is a no-op: skip the work of recording one.
         self.enabled = isinstance(provider, TracerProvider)
         self._follow_parent = self.enabled and isinstance(provider.sampler, ParentBased)
@@ -80,6 +83,20 @@ class Spans:
         with self._lock:
             while self._pending:
                 self._build(*self._pending.popleft())
+
+    def close(self) -> None:
+        """Builds every recorded segment and has the exporters write it, bounded by CLOSE_EXPORT_TIMEOUT_S.
+
+        The connector's shutdown calls this: vLLM forks its engine and worker
+        processes, and a forked multiprocessing child ends with os._exit, so
+        neither the atexit flush below nor the SDK's own exit-time flush runs
+        there; without it an engine stopped within a build interval plus the
+        exporter's delay of its last request loses that request's spans.
+        """
+        if not self.enabled:
+            return
+        self.flush()
+        self._provider.force_flush(int(CLOSE_EXPORT_TIMEOUT_S * 1000))
 
     def _start(self) -> None:
         with self._lock:

@@ -292,3 +292,4 @@ class KvpushWorker:
             self.session.close()
         if self.agent is not None:
             self.agent.close()
+        self.spans.close()

@@ -173,6 +173,7 @@ class Chaos:
         members = [plane.member_id(i) for i in range(len(plane.brokers))]
         old_pid = plane.brokers[index].process.pid
         killed = time.monotonic()
+        killed_unix = time.time()  # to place the kill among the processes' log lines (the shard map's, etcd's)
         plane.kill_broker(index)
         self.log(f"killed broker shard {member} (pid {old_pid}) with SIGKILL")
         failover = self._probe_owned(member, members, killed, "failover")
@@ -181,7 +182,8 @@ class Chaos:
         plane.restart_broker(index)
         self.log(f"broker shard {member} restarted (pid {plane.brokers[index].process.pid}) in {time.monotonic() - restarted:.1f} s")
         rejoin = self._probe_owned(member, members, restarted, "rejoin")
-        return {"member": member, "killed_pid": old_pid, "failover": failover, "rejoin": rejoin}
+        return {"member": member, "killed_pid": old_pid, "killed_s": round(killed - self.started, 3), "killed_unix": killed_unix,
+                "failover": failover, "rejoin": rejoin}
 
     def fault_etcd_kill(self) -> dict:
         etcd = self.stack.scaled.etcd

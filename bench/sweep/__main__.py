@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import sweep
+from bench.pyspy import MISSING as PYSPY_MISSING
+from bench.pyspy import pyspy_binary
 from bench.sweep.report import report
 from bench.sweep.runner import run_sweep
 from kvpush.localstack.stack import MODES
@@ -57,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}")
+    if args.profile and pyspy_binary() is None:
+        parser.error(f"--profile {PYSPY_MISSING}")
     if args.report_only:
         return report(args.results_dir, args.modes, args.markdown)
     if args.quick:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
 
 from kvpush.connector.spans import Spans, parent_sampled
+from kvpush.telemetry import read_spans, setup_tracing
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SAMPLED = f"00-{TRACE}-b7ad6b7169203331-01"
@@ -79,3 +82,25 @@ def test_the_builder_thread_emits_without_a_flush():
     while not exporter.get_finished_spans() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [s.name for s in exporter.get_finished_spans()] == ["p.queue"]
+
+
+def _engine_process(traces: str, close: bool) -> None:
+    """A forked child like vLLM's engine process: tracing set up inside it, one segment recorded, then the child returns."""
+    os.environ["KVPUSH_TRACES_FILE"] = traces
+    spans = Spans("decode-1", "decode", setup_tracing("kvpush-decode", set_global=False))
+    spans.emit("d.wait_for_kv", 1, 2, Request("t1", 1, SAMPLED), parts=2)
+    if close:
+        spans.close()  # what the connector's shutdown does
+
+
+def test_close_exports_what_a_forked_engine_process_recorded(tmp_path):
+    # A forked multiprocessing child ends with os._exit: atexit (the SDK's flush, and the builder's) never runs there.
+    for close in (False, True):
+        traces = tmp_path / f"close-{close}.jsonl"
+        traces.touch()
+        child = multiprocessing.get_context("fork").Process(target=_engine_process, args=(str(traces), close))
+        child.start()
+        child.join(timeout=30)
+        assert child.exitcode == 0
+        names = [s["name"] for s in read_spans(traces)]
+        assert names == (["d.wait_for_kv"] if close else []), (close, names)
