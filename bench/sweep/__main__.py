@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from bench.pyspy import pyspy_binary
 from bench.sweep.report import report
 from bench.sweep.runner import run_sweep
 from kvpush.localstack.stack import MODES
+from kvpush.processes import parse_cpu_list
 
 
 def _numbers(kind):
@@ -50,6 +52,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="print the tables and targets of --results-dir and write summary.json")
     parser.add_argument("--profile", type=Path, default=None,
                         help="sample every process of P and D with py-spy during each run (on-CPU samples, every thread) into this folder")
+    parser.add_argument("--aux-cpus", default=None, metavar="LIST",
+                        help="pin every stack's router and control plane (every thread) to these CPUs, e.g. 1 (D's); unpinned by default")
     parser.add_argument("--step-timeline", action="store_true",
                         help="every engine process records its step's parts into <results-dir>/step-timeline (bench/engine_hooks); "
                              "python -m bench.step_timeline <results-dir> prints them per run")
@@ -59,6 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}")
+    if args.aux_cpus is not None:
+        try:
+            aux = parse_cpu_list(args.aux_cpus)
+        except ValueError:
+            parser.error(f"--aux-cpus {args.aux_cpus!r}: not a CPU list such as 1 or 0-1")
+        if not aux <= os.sched_getaffinity(0):
+            parser.error(f"--aux-cpus {args.aux_cpus}: this process may use CPUs {sorted(os.sched_getaffinity(0))} only")
     if args.profile and pyspy_binary() is None:
         parser.error(f"--profile {PYSPY_MISSING}")
     if args.report_only:

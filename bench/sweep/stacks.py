@@ -82,7 +82,8 @@ class ModeStack:
 
 
 def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, kvpush_engine_tracing: bool,
-                kvpush_extra: dict[str, Any], vllm_spin_ms: float | None = None, step_timeline_dir: Path | None = None) -> ModeStack:
+                kvpush_extra: dict[str, Any], vllm_spin_ms: float | None = None, step_timeline_dir: Path | None = None,
+                aux_cpus: str | None = None) -> ModeStack:
     """Starts one mode's engines (P on PREFILL_CPUS, D on DECODE_CPUS, concurrently) and router.
 
     Every router exports its spans (router-side timings, kvpush transfer
@@ -92,12 +93,13 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
     Upstream engines get NIXL's poll delay unless `nixl_as_shipped`;
     every engine's vLLM queue readers spin at most `vllm_spin_ms` per wait
     (None: vLLM's 1 s after each read), see bench/engine_hooks; with
-    `step_timeline_dir` every engine process writes its step timeline there.
+    `step_timeline_dir` every engine process writes its step timeline there;
+    with `aux_cpus` the router and the control plane run on those CPUs only.
     """
     poll_delay_us = None if mode == "kvpush" or nixl_as_shipped else NIXL_POLL_DELAY_US
     traces = work / "traces.jsonl"
     spec = StackSpec(
-        mode=mode, prefill_cpus=PREFILL_CPUS, decode_cpus=DECODE_CPUS, traces_file=traces, trace_engines=kvpush_engine_tracing,
+        mode=mode, prefill_cpus=PREFILL_CPUS, decode_cpus=DECODE_CPUS, aux_cpus=aux_cpus, traces_file=traces, trace_engines=kvpush_engine_tracing,
         engine_env=engine_hooks_env(poll_delay_us=poll_delay_us, vllm_spin_ms=vllm_spin_ms, step_timeline_dir=step_timeline_dir), kvpush_extra=kvpush_extra,
         # Settled transfers stay queryable (GetTransfer) for the whole sweep; retention only bounds memory.
         control_plane_args=("--retention", "7200"), router_log_level="WARNING",

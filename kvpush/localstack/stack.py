@@ -24,6 +24,7 @@ from kvpush.localstack.engines import DEFAULT_START_TIMEOUT_S, ServerHandle, spa
 from kvpush.localstack.process import GroupProcess, free_port
 from kvpush.localstack.router import RouterHandle, start_router
 from kvpush.localstack.upstream import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, side_channel_env, upstream_transfer_config
+from kvpush.processes import group_members, parse_cpu_list, pin_threads
 
 MODES = ("kvpush", "upstream-push", "pull")
 ROUTER_MODES = {"kvpush": "push", "upstream-push": "upstream-push", "pull": "pull"}
@@ -46,6 +47,7 @@ class StackSpec:
     decodes: int = 1
     prefill_cpus: str | None = None  # taskset CPU list of every prefill engine (None: not pinned)
     decode_cpus: str | None = None
+    aux_cpus: str | None = None  # CPU list of the router and the control plane, every thread (None: not pinned)
     traces_file: Path | None = None  # the router's spans go here, and kvpush's engines' and control plane's with trace_engines
     trace_engines: bool = True
     engine_env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # on top of engines.ENGINE_ENV
@@ -112,8 +114,16 @@ class Stack:
         return [f"{p.name} (exit {p.returncode})" for p in self._processes if not p.alive()]
 
     def repin(self) -> int:
-        """Pins every engine's threads to its CPUs again; returns how many had moved."""
+        """Pins every engine's threads to its CPUs again (and the router's and control plane's to aux_cpus); returns how many
+        engine threads had moved."""
+        self._pin_aux()
         return sum(server.repin() for servers in self.engines.values() for server in servers)
+
+    def _pin_aux(self) -> None:
+        # Threads started later inherit their creator's affinity: pinning every thread once holds, repin only re-checks.
+        if self.spec.aux_cpus is not None:
+            aux = [handle.process for handle in (self.control_plane, self.router) if handle is not None]
+            pin_threads([pid for process in aux for pid in group_members(process.pid)], parse_cpu_list(self.spec.aux_cpus))
 
     def start(self) -> Stack:
         """Starts control plane (kvpush), engines and router; on any failure or interruption stops what started."""
@@ -157,6 +167,7 @@ class Stack:
                                        env=tracing, log_path=self.log_dir / "router.log", log_level=spec.router_log_level)
             self._processes.append(self.router.process)
             self.say(f"router listening on {self.router.url}")
+        self._pin_aux()
 
     def _transfer_config(self, role: str, engine_id: str) -> dict:
         if self.spec.mode == "kvpush":

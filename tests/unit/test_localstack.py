@@ -8,12 +8,13 @@ import os
 import signal
 import sys
 import time
+import types
 
 import pytest
 
 from kvpush.localstack.process import GroupProcess, StartError, interrupt_on_signals, wait_for_port_file
-from kvpush.localstack.stack import StackSpec
-from kvpush.processes import group_members
+from kvpush.localstack.stack import Stack, StackSpec
+from kvpush.processes import group_members, thread_ids
 
 # A leader that ignores SIGTERM and leaves a child in its group: only a group SIGKILL ends both.
 STUBBORN = "trap '' TERM; sleep 60 & echo started; wait"
@@ -83,3 +84,30 @@ def test_stack_spec_engine_ids_and_checks():
         StackSpec(mode="upstream-push", prefills=2)
     with pytest.raises(ValueError, match="at least one"):
         StackSpec(decodes=0)
+
+
+# A process with a child, threads in both: every thread of the group is pinned.
+THREADED = ("import subprocess, sys, threading, time; [threading.Thread(target=time.sleep, args=(60,), daemon=True).start() for _ in range(3)]; "
+            "subprocess.Popen([sys.executable, '-c', 'import threading, time; threading.Thread(target=time.sleep, args=(60,)).start(); "
+            "print(\"started\", flush=True); time.sleep(60)']); time.sleep(60)")
+
+
+def test_aux_cpus_pin_every_thread_of_the_router_and_control_plane(tmp_path):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to tell a pinned thread from an unpinned one")
+    cpu = min(os.sched_getaffinity(0))
+    processes = [GroupProcess(name, [sys.executable, "-c", THREADED], tmp_path / f"{name}.log") for name in ("router", "control-plane")]
+    try:
+        deadline = time.monotonic() + 30
+        while not all(p.tail(1) == "started" for p in processes):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        stack = Stack(StackSpec(aux_cpus=str(cpu)), tmp_path, tmp_path)
+        stack.router, stack.control_plane = (types.SimpleNamespace(process=p) for p in processes)
+        tids = thread_ids([pid for p in processes for pid in group_members(p.pid)])
+        assert len(tids) == 2 * (4 + 2)  # each: the leader's 4 threads and its child's 2
+        stack.repin()
+        assert {frozenset(os.sched_getaffinity(tid)) for tid in tids} == {frozenset({cpu})}
+    finally:
+        for process in processes:
+            process.kill()
