@@ -41,7 +41,9 @@ def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) ->
 
 # The scaled-out control plane's failover targets (issue 10).
 FAILOVER_TARGET_S = 2.0
-SHARD_LOSS_REASONS = ("BROKER_SHARD_LOST", "BROKER_SHARD_MOVED")
+# The router's reasons that name the attempt's broker member: it left the map, another owns the transfer, or it did not
+# answer and had not left the map by the request's deadline (etcd had not revoked its lease yet).
+SHARD_LOSS_REASONS = ("BROKER_SHARD_LOST", "BROKER_SHARD_MOVED", "BROKER_MEMBER_UNREACHABLE")
 
 
 def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:

@@ -315,7 +315,7 @@ async def _first_output_push(
     except LegFailure as exc:
         if exc.status < 500 or exc.cause == "connect":
             raise  # the engine refused the request itself, or never got it: the broker knows nothing more
-        explained = await explain_decode_failure(router, ctx, attempt, p_endpoint, d_endpoint, exc)
+        explained = await explain_decode_failure(router, ctx, attempt, p_endpoint, d_endpoint, exc, until=min(deadline, guard_at))
         if explained is exc:
             raise
         raise explained from exc

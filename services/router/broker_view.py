@@ -20,6 +20,7 @@ from kvpush import errors
 from kvpush.client import UNSHARDED
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.router.core import (
+    BROKER_MEMBER_UNREACHABLE,
     BROKER_SIDE,
     CONTROL_PLANE_UNREACHABLE,
     ROUTER_DEADLINE_EXCEEDED,
@@ -43,10 +44,18 @@ logger = logging.getLogger(__name__)
 MAX_POLL_WAIT_S = 60.0
 
 
-async def _lookup(router: Router, transfer_id: str, attempt: int, wait_s: float | None = None) -> AttemptRecord:
-    """The broker's record of the attempt (GetTransfer; a long poll with wait_s); raises kvpush.errors exceptions."""
+async def _lookup(router: Router, transfer_id: str, attempt: int, wait_s: float | None = None, *, answer_by: float | None = None) -> AttemptRecord:
+    """The broker's record of the attempt (GetTransfer; a long poll with wait_s); raises kvpush.errors exceptions.
+
+    answer_by: loop time of the request's own bound when the record is to explain a failure; the call then ends by it, or
+    half the transfer deadline's slack after it once it has passed (gRPC's retries of an unreachable member would otherwise
+    add up to --cancel-timeout to the answer).
+    """
     request = rv_pb.GetTransferRequest(transfer_id=transfer_id, attempt=attempt)
-    response = await router.broker.get_transfer(request, timeout_s=router.config.cancel_timeout_s, wait_s=wait_s)
+    timeout_s = router.config.cancel_timeout_s
+    if answer_by is not None:
+        timeout_s = min(timeout_s, max(answer_by - asyncio.get_running_loop().time(), router.config.transfer_deadline_slack_s / 2))
+    response = await router.broker.get_transfer(request, timeout_s=timeout_s, wait_s=wait_s)
     return AttemptRecord.from_transfer(response.transfer)
 
 
@@ -96,30 +105,53 @@ def _unreachable(error: errors.KvpushError) -> bool:
     return isinstance(error, (errors.Unavailable, errors.DeadlineExceeded)) or error.code == "CANCELLED"
 
 
-async def _shard_lost(router: Router, ctx: RequestContext, attempt: int, d_endpoint: Endpoint, error: errors.KvpushError, seen: str) -> TransferFailure | None:
-    """shard_failure when the broker failed to answer (or did not know the attempt) because the attempt's member is gone, else None.
+async def _shard_lost(
+    router: Router, ctx: RequestContext, attempt: int, d_endpoint: Endpoint, error: errors.KvpushError, seen: str, *, until: float
+) -> TransferFailure | None:
+    """What to answer when the broker failed to answer (or did not know the attempt) of a sharded attempt, else None.
 
-    A member that cannot be reached may be dead with its lease not lapsed
-    yet: the shard map gets shard_loss_wait_s to drop it.
+    shard_failure when the attempt's member left the map. A member that cannot
+    be reached may be dead with its lease not lapsed yet: the shard map gets
+    shard_loss_wait_s to drop it, but never past `until` (loop time: the
+    request's own bound), so a late lease lapse cannot make a request end
+    late; a member still listed then is answered BROKER_MEMBER_UNREACHABLE,
+    naming it.
     """
     if ctx.broker_owner.member_id == UNSHARDED:
         return None
+    loop = asyncio.get_running_loop()
+    unreachable = _unreachable(error)
     lost = router.shards.watch(ctx.transfer_id, ctx.broker_owner)
     try:
-        if not lost.done() and _unreachable(error):
-            await asyncio.wait([lost], timeout=router.config.shard_loss_wait_s)
+        wait_s = min(router.config.shard_loss_wait_s, until - loop.time())
+        if not lost.done() and unreachable and wait_s > 0:
+            await asyncio.wait([lost], timeout=wait_s)
         reason = lost.result() if lost.done() else ""
     finally:
         router.shards.unwatch(lost)
-    return shard_failure(router, ctx, attempt, d_endpoint, reason, seen) if reason else None
+    if reason:
+        return shard_failure(router, ctx, attempt, d_endpoint, reason, seen)
+    if not unreachable:
+        return None
+    owner = ctx.broker_owner
+    message = (
+        f"transfer {ctx.transfer_id} attempt {attempt}: broker member {owner.member_id} ({owner.address}) did not answer ({error}) "
+        "and had not left the broker's shard map"
+    )
+    return TransferFailure(Verdict(503, BROKER_MEMBER_UNREACHABLE, message, None), DECODE, d_endpoint, seen)
 
 
-async def explain_decode_failure(router: Router, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, failure: LegFailure) -> LegFailure:
-    """What to answer for a decode leg that failed (5xx, an error event, no output): the broker's reason, else the leg's own failure."""
+async def explain_decode_failure(
+    router: Router, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, failure: LegFailure, *, until: float
+) -> LegFailure:
+    """What to answer for a decode leg that failed (5xx, an error event, no output): the broker's reason, else the leg's own failure.
+
+    until: loop time of the request's own bound, which no wait here passes.
+    """
     try:
-        record = await _lookup(router, ctx.transfer_id, attempt)
+        record = await _lookup(router, ctx.transfer_id, attempt, answer_by=until)
     except errors.KvpushError as exc:
-        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure))
+        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure), until=until)
         if lost is not None:
             return lost
         if not isinstance(exc, errors.NotFound):
@@ -137,11 +169,12 @@ async def explain_decode_failure(router: Router, ctx: RequestContext, attempt: i
 
 
 async def explain_overdue(router: Router, ctx: RequestContext, attempt: int, p_endpoint: Endpoint, d_endpoint: Endpoint, failure: LegFailure) -> LegFailure:
-    """A leg timeout: the broker's reason when the attempt ended without the KV, else the timeout itself."""
+    """A leg timeout (the request's bound has passed): the broker's reason when the attempt ended without the KV, else the timeout itself."""
+    now = asyncio.get_running_loop().time()
     try:
-        record = await _lookup(router, ctx.transfer_id, attempt)
+        record = await _lookup(router, ctx.transfer_id, attempt, answer_by=now)
     except errors.KvpushError as exc:
-        return await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure)) or failure
+        return await _shard_lost(router, ctx, attempt, d_endpoint, exc, str(failure), until=now) or failure
     verdict = explain_attempt(record, ctx.client_request_id, p_endpoint.engine_id, d_endpoint.engine_id)
     return failure if verdict is None else transfer_failure(verdict, p_endpoint, d_endpoint, str(failure))
 
@@ -152,10 +185,11 @@ async def at_transfer_deadline(
     """The transfer deadline plus slack passed without decode output: None if the broker says the KV arrived, else the failure to answer."""
     config = router.config
     record: AttemptRecord | None = None
+    now = asyncio.get_running_loop().time()
     try:
-        record = await _lookup(router, ctx.transfer_id, attempt)
+        record = await _lookup(router, ctx.transfer_id, attempt, answer_by=now)
     except errors.KvpushError as exc:
-        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, "no decode output by the transfer deadline")
+        lost = await _shard_lost(router, ctx, attempt, d_endpoint, exc, "no decode output by the transfer deadline", until=now)
         if lost is not None:
             return lost
         if isinstance(exc, errors.NotFound):

@@ -117,16 +117,18 @@ class RouterConfig(Settings):
         help="deadline of CancelTransfer and GetTransfer calls (a long poll gets its wait on top)",
     )
     # shard_loss_wait_s: a sharded broker's member that cannot be reached may
-    # be dead with its membership lease not lapsed yet; the router waits this
-    # long for its shard map to drop it (BROKER_SHARD_LOST, retried) before
-    # answering CONTROL_PLANE_UNREACHABLE. Above the members' --shard-lease-ttl.
+    # be dead with its membership lease not lapsed yet; the router waits up to
+    # this long for its shard map to drop it (BROKER_SHARD_LOST, retried),
+    # never past the request's own bound, before answering
+    # BROKER_MEMBER_UNREACHABLE. Above the members' --shard-lease-ttl.
     shard_loss_wait_s: float = setting(
         5.0,
         flag="--shard-loss-wait",
         env="KVPUSH_ROUTER_SHARD_LOSS_WAIT_S",
         convert=float,
         at_least=0,
-        help="push, sharded broker: seconds to wait for the shard map to drop an unreachable broker member before answering CONTROL_PLANE_UNREACHABLE",
+        help="push, sharded broker: seconds to wait for the shard map to drop an unreachable broker member (never past the request's deadline) "
+        "before answering BROKER_MEMBER_UNREACHABLE",
     )
     max_attempts: int = setting(
         2, flag="--max-attempts", env="KVPUSH_ROUTER_MAX_ATTEMPTS", convert=int, at_least=1, help="dispatches per request, counting the first"

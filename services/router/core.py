@@ -211,12 +211,13 @@ LEG_FAILED = "LEG_FAILED"  # 502: a leg failed (connection, 5xx, no output) and 
 LEG_TIMEOUT = "LEG_TIMEOUT"  # 504: --prefill-timeout or --first-token-timeout passed
 ROUTER_DEADLINE_EXCEEDED = "ROUTER_DEADLINE_EXCEEDED"  # 504: the transfer deadline plus slack passed without output, the broker had no reason
 CONTROL_PLANE_UNREACHABLE = "CONTROL_PLANE_UNREACHABLE"  # 503: the broker could not say why a leg failed
+BROKER_MEMBER_UNREACHABLE = "BROKER_MEMBER_UNREACHABLE"  # 503: the attempt's broker member did not answer and had not left the shard map in time
 TRANSFER_CONFLICT = "TRANSFER_CONFLICT"  # 409: the broker's record of the attempt is another request's
 OUTPUT_BROKE_OFF = "OUTPUT_BROKE_OFF"  # the decode stream broke after output had reached the client
 CLIENT_GONE = "CLIENT_GONE"  # the client disconnected before its answer
 ROUTER_REASONS = (
     INVALID_REQUEST, ENGINE_REJECTED, NO_ENGINE, LEG_FAILED, LEG_TIMEOUT, ROUTER_DEADLINE_EXCEEDED,
-    CONTROL_PLANE_UNREACHABLE, TRANSFER_CONFLICT, OUTPUT_BROKE_OFF, CLIENT_GONE,
+    CONTROL_PLANE_UNREACHABLE, BROKER_MEMBER_UNREACHABLE, TRANSFER_CONFLICT, OUTPUT_BROKE_OFF, CLIENT_GONE,
 )
 # Every reason a failed request is counted under: a bounded label set.
 FAILURE_REASONS = END_REASONS + ROUTER_REASONS

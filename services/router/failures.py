@@ -15,7 +15,16 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.services.router.core import BROKER_SIDE, ENGINE_REJECTED, LEG_FAILED, LEG_TIMEOUT, TRANSFER_CONFLICT, Endpoint, Verdict
+from kvpush.services.router.core import (
+    BROKER_MEMBER_UNREACHABLE,
+    BROKER_SIDE,
+    ENGINE_REJECTED,
+    LEG_FAILED,
+    LEG_TIMEOUT,
+    TRANSFER_CONFLICT,
+    Endpoint,
+    Verdict,
+)
 
 ERROR_TYPES = {400: "BadRequestError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
 
@@ -83,8 +92,10 @@ class TransferFailure(LegFailure):
         LegFailure.__init__(self, leg, endpoint, "transfer", verdict.message, status=verdict.status, retryable=verdict.retry_side is not None)
         self.args = (verdict.message + (f" ({seen})" if seen else ""),)
         self.verdict = verdict
-        # A record that is another request's is never ours to cancel.
-        self.cancel_attempt = verdict.reason != TRANSFER_CONFLICT
+        # A record that is another request's is never ours to cancel; a member that
+        # did not answer would only add its call's timeout to the answer (the
+        # decode engine's own deadline frees the blocks, as for any lost cancel).
+        self.cancel_attempt = verdict.reason not in (TRANSFER_CONFLICT, BROKER_MEMBER_UNREACHABLE)
         self.blames_engine = verdict.retry_side != BROKER_SIDE
 
     @property

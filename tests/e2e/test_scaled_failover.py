@@ -8,8 +8,8 @@ registrar members fails nothing, nothing hangs or is wrong, and every KV block i
 How fast the dead shard's transfers succeed again is a benchmark figure (the 2 s target, bench.failover); here
 it must only happen, in two parts: etcd drops the dead member within what its lease rules allow (a shard lease,
 longer after an etcd leader change), and within one request deadline of that drop (when every party has heard the
-member left) a transfer it owned runs on its new owner. A failure is answered by its deadline + 1 s, or, when the
-router could not reach the member and waited for its drop (--shard-loss-wait), within 1 s of the drop."""
+member left) a transfer it owned runs on its new owner. Every failure is answered by its deadline + 1 s with its reason,
+however late etcd is (the router waits for the map's drop only within a request's own bound)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,12 @@ import pytest
 
 from bench.chaos.report import FAILOVER_TARGET_S, format_report
 from bench.chaos.runner import run
-from bench.chaos.settings import FAILOVER_ORDER, FAILURE_SLACK_S, short_settings
+from bench.chaos.settings import FAILOVER_ORDER, short_settings
 from kvpush.etcd.cluster import ELECTION_TIMEOUT_MS
 
 pytestmark = pytest.mark.engine
 
 TIMED_TARGET = f"shard-kill: its transfers succeed again <= {FAILOVER_TARGET_S:g} s after the kill"
-LATE_TARGET = "every failure answered <= deadline + 1 s with its reason"  # checked below, against the member's drop
 # etcd's side of the failover (etcd 3.4; docs/scale-out.md, timing assumptions): the dead member's lease lapses a TTL after
 # its last renewal, or a TTL after the election timeout that follows an etcd leader change (a new leader renews every lease);
 # the leader's lessor then finds it within a 0.5 s tick and revokes it through raft, trying again every 3 s
@@ -53,17 +52,13 @@ def test_the_scaled_control_plane_fails_over(model_dir, tmp_path):
     notes = by_name["shard-kill"]["notes"]
     failover = notes["failover"]
     etcd = etcd_side(settings, notes)
-    missed = [name for name, held in result["verdict"]["targets"].items() if not held and name not in (TIMED_TARGET, LATE_TARGET)]
+    missed = [name for name, held in result["verdict"]["targets"].items() if not held and name != TIMED_TARGET]
     if etcd["dropped_s"] is None or etcd["dropped_s"] > etcd["bound_s"]:
         missed.append(f"etcd drops the killed member within {etcd['bound_s']:g} s (dropped after {etcd['dropped_s']} s)")
     # kvpush's side counts from the drop: by then every party has heard the member left.
     elif failover["seconds"] is None or failover["seconds"] > etcd["dropped_s"] + settings.deadline_s:
         missed.append(f"shard-kill: its transfers succeed again within {settings.deadline_s:g} s of the member's drop "
                       f"({etcd['dropped_s']} s after the kill)")
-    unanswered = failures_out_of_bounds(settings.run_dir / "outcomes.jsonl", notes, etcd)
-    if unanswered:
-        missed.append(f"every failure answered <= deadline + 1 s (or within 1 s of the killed member's drop it waited for) with its reason: "
-                      f"{unanswered}")
     assert not missed, f"targets missed: {missed}\n{report}\netcd: {etcd}\n{map_log(settings.run_dir)}"
     for fault in result["faults"]:
         assert fault["routed"]["requests"] > 0 and fault["routed"]["ok"] > 0, fault["fault"]
@@ -81,25 +76,6 @@ def etcd_side(settings, notes: dict) -> dict:
     lapse_s = max([0.0] + [t + ELECTION_TIMEOUT_MS / 1000 for t in changes]) + settings.shard_lease_ttl_s
     return {"dropped_s": None if dropped is None else round(dropped - killed, 2), "leader_changes_s": [round(t, 2) for t in changes],
             "bound_s": round(lapse_s + ETCD_LEASE_SLACK_S, 2)}
-
-
-def failures_out_of_bounds(outcomes: Path, notes: dict, etcd: dict) -> list[dict]:
-    """Routed failures without a reason or answered after deadline + 1 s (the report's target), except shard-kill ones answered
-    BROKER_SHARD_LOST within 1 s of the map's drop of the killed member: the router waits up to --shard-loss-wait for that drop
-    when it cannot reach the member."""
-    dropped_run_s = None if etcd["dropped_s"] is None else notes["killed_s"] + etcd["dropped_s"]
-    late = []
-    for outcome in map(json.loads, outcomes.read_text().splitlines()):
-        if outcome["source"] != "router" or outcome["result"] != "failed":
-            continue
-        if outcome["reason"] and outcome["elapsed_s"] <= outcome["deadline_s"] + FAILURE_SLACK_S:
-            continue
-        answered_s = outcome["start_s"] + outcome["elapsed_s"]
-        waited_for_drop = (outcome["phase"] == "shard-kill" and outcome["reason"] == "BROKER_SHARD_LOST" and dropped_run_s is not None
-                           and answered_s <= dropped_run_s + FAILURE_SLACK_S)
-        if not waited_for_drop:
-            late.append({k: outcome[k] for k in ("phase", "request_id", "reason", "start_s", "elapsed_s", "deadline_s")})
-    return late
 
 
 def map_drop_unix(router_log: Path, member: str, since_unix: float) -> float | None:

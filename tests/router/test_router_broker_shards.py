@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from kvpush import shards
 from kvpush.client import UNSHARDED, ClientConfig, ShardMap
 from kvpush.client.backoff import Backoff
@@ -161,3 +163,37 @@ async def test_the_embedded_control_plane_is_one_unsharded_shard(plane, spans):
             assert router.router.shards.owner("xfer-1") == Owner(UNSHARDED, f"127.0.0.1:{plane.port}")
     finally:
         await stop(prefill, decode)
+
+
+@pytest.mark.parametrize("decode_outcome", ["hang", "vllm-error"])
+async def test_an_unreachable_member_still_in_the_map_is_answered_by_the_requests_deadline(spans, decode_outcome):
+    """The attempt's member stops answering but its lease has not lapsed (the map still lists it), and the decode leg stays
+    silent or fails (the router asks the broker why at the transfer deadline, or at once): the router waits for the
+    map to drop it only until the request's own bound (its transfer deadline plus slack), not --shard-loss-wait, and names
+    the member; it does not cancel the attempt at a member that does not answer (that would add the call's timeout)."""
+    transfer_timeout_ms, slack_s, shard_loss_wait_s = 600, 0.2, 5.0
+    cluster = Cluster()
+    async with members(cluster, ["seed", "m0"]) as served:
+        cluster.membership = {"m0": served["m0"].address}
+        await cluster.publish(cluster.membership, revision=1)
+        prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just(decode_outcome)))
+        overrides = {"transfer_timeout_ms": transfer_timeout_ms, "transfer_deadline_slack_s": slack_s, "shard_loss_wait_s": shard_loss_wait_s}
+        try:
+            async with router_under_test(port_of(served["seed"].address), [prefill], [decode], spans[0], **overrides) as router:
+                assert await router.router.broker.shard_map.wait_ready(WAIT_S)
+                await served["m0"].server.stop(grace=None)  # dead, still listed: its lease has not lapsed
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                status, body, _ = await router.post("/v1/completions", BODY)
+                elapsed = loop.time() - started
+                metrics = await router.metrics()
+        finally:
+            await stop(prefill, decode)
+    error = error_of(body)
+    assert status == 503 and error["reason"] == "BROKER_MEMBER_UNREACHABLE", body
+    assert f"broker member m0 ({served['m0'].address}) did not answer" in error["message"], error["message"]
+    assert "had not left the broker's shard map" in error["message"]
+    guard_s = transfer_timeout_ms / 1000 + slack_s  # then the broker gets half the slack again to say why
+    assert guard_s <= elapsed < guard_s + slack_s / 2 + 0.5 < shard_loss_wait_s, f"answered after {elapsed:.2f} s"
+    assert 'kvpush_router_failed_requests_total{reason="BROKER_MEMBER_UNREACHABLE"} 1.0' in metrics
+    assert "kvpush_router_cancel_failures_total 0.0" in metrics, "no cancel was sent to the member that did not answer"
