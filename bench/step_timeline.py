@@ -16,8 +16,10 @@ the engine core's schedule → output into:
     output              sample_tokens returned → update_from_output done
     step                schedule end → update_from_output done: vLLM's "prefill time" of a prompt done in one step
 
-and prints p50 and mean of each, per run. The engine core and worker are
-told apart by what they recorded; one worker per engine (TP 1).
+and prints p50 and mean of each, per run, with the run's output tokens per
+model step (on D, its mean batch: the step time, and so TPOT, follows it).
+The engine core and worker are told apart by what they recorded; one worker
+per engine (TP 1).
 """
 
 from __future__ import annotations
@@ -116,14 +118,19 @@ def main(argv: list[str] | None = None) -> int:
         if "monotonic_window_s" not in run:
             continue
         core, worker = engine_processes(folder, run["engine_groups"][args.engine])
-        table[run["run"]] = summarize(forward_steps(core, worker, tuple(run["monotonic_window_s"])))
+        row = summarize(forward_steps(core, worker, tuple(run["monotonic_window_s"])))
+        # On D every output token comes from a model step: this is its mean batch, which its step time (and TPOT) follows.
+        tokens = sum(request.get("output_tokens", 0) for request in run.get("requests", []))
+        row["tokens_per_step"] = round(tokens / row["steps"], 2) if row["steps"] else None
+        table[run["run"]] = row
     if not table:
         parser.error(f"no run with a recorded window in {args.results_dir}")
     print(f"{args.engine}'s steps that ran the model, ms (p50 / mean)")
-    print(f"{'run':<44}{'steps':>6}" + "".join(f"{p:>20}" for p in PARTS))
+    print(f"{'run':<44}{'steps':>6}{'tokens/step':>12}" + "".join(f"{p:>20}" for p in PARTS))
     for name, row in table.items():
         cells = "".join(f"{row[p]['p50']:>11.2f} /{row[p]['mean']:>7.2f}" if p in row else f"{'-':>20}" for p in PARTS)
-        print(f"{name:<44}{row['steps']:>6}{cells}")
+        per_step = "-" if row["tokens_per_step"] is None else f"{row['tokens_per_step']:.2f}"
+        print(f"{name:<44}{row['steps']:>6}{per_step:>12}{cells}")
     (args.results_dir / f"step-timeline-{args.engine}.json").write_text(json.dumps(table, indent=1))
     return 0
 

@@ -38,13 +38,15 @@ def test_a_step_that_ran_the_model_is_split_into_its_parts(tmp_path):
 def test_the_report_reads_each_runs_window_and_engine(tmp_path, capsys):
     (tmp_path / "step-timeline").mkdir()
     one_engine(tmp_path / "step-timeline", 100.0)
-    run = {"run": "kvpush_qps1_in256_out16_iter1", "monotonic_window_s": [99.0, 101.0], "engine_groups": {"P": GROUP, "D": 7}}
+    run = {"run": "kvpush_qps1_in256_out16_iter1", "monotonic_window_s": [99.0, 101.0], "engine_groups": {"P": GROUP, "D": 7},
+           "requests": [{"output_tokens": 3}, {"output_tokens": 2}, {"error": "no answer"}]}
     (tmp_path / "kvpush_qps1_in256_out16_iter1.json").write_text(json.dumps(run))
     assert main([str(tmp_path)]) == 0
     assert "kvpush_qps1_in256_out16_iter1" in capsys.readouterr().out
     table = json.loads((tmp_path / "step-timeline-P.json").read_text())
     assert table["kvpush_qps1_in256_out16_iter1"]["steps"] == 1
     assert table["kvpush_qps1_in256_out16_iter1"]["model_forward"]["p50"] == pytest.approx(36.0)
+    assert table["kvpush_qps1_in256_out16_iter1"]["tokens_per_step"] == 5.0  # 5 output tokens over its one model step
     with pytest.raises(ValueError, match="no engine core"):
         main([str(tmp_path), "--engine", "D"])
 
