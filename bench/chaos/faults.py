@@ -182,7 +182,7 @@ class Chaos:
         plane.restart_broker(index)
         self.log(f"broker shard {member} restarted (pid {plane.brokers[index].process.pid}) in {time.monotonic() - restarted:.1f} s")
         rejoin = self._probe_owned(member, members, restarted, "rejoin")
-        return {"member": member, "killed_pid": old_pid, "killed_s": round(killed - self.started, 3), "killed_unix": killed_unix,
+        return {"member": member, "killed_pid": old_pid, "killed_unix": killed_unix,
                 "failover": failover, "rejoin": rejoin}
 
     def fault_etcd_kill(self) -> dict:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import collections
 from typing import Any
 
+from kvpush.services.router.core import BROKER_MEMBER_UNREACHABLE
+from kvpush.services.router.shard_watch import BROKER_SHARD_LOST, BROKER_SHARD_MOVED
+
 
 def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) -> dict[str, Any]:
     """The targets: 0 hung, 0 wrong, every block free after each fault, failures answered in time with a reason, memory back."""
@@ -43,7 +46,7 @@ def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) ->
 FAILOVER_TARGET_S = 2.0
 # The router's reasons that name the attempt's broker member: it left the map, another owns the transfer, or it did not
 # answer and had not left the map by the request's deadline (etcd had not revoked its lease yet).
-SHARD_LOSS_REASONS = ("BROKER_SHARD_LOST", "BROKER_SHARD_MOVED", "BROKER_MEMBER_UNREACHABLE")
+SHARD_LOSS_REASONS = (BROKER_SHARD_LOST, BROKER_SHARD_MOVED, BROKER_MEMBER_UNREACHABLE)
 
 
 def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:
