@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -58,6 +59,7 @@ class Router:
         self.session: aiohttp.ClientSession | None = None
         self.broker: ShardedBrokerClient | None = None
         self.shards: ShardWatch | None = None  # push mode: which attempts' broker members are gone
+        self._cancels: set[asyncio.Task] = set()  # push mode: CancelTransfer calls still running (failed attempts)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -77,7 +79,16 @@ class Router:
             self.shards = ShardWatch(self.broker.shard_map)
             self.broker.shard_map.start()
 
+    def cancel_later(self, cancel: Coroutine[Any, Any, None]) -> asyncio.Task:
+        """Runs a failed attempt's CancelTransfer beside the request: its answer does not wait for the broker."""
+        task = asyncio.create_task(cancel)
+        self._cancels.add(task)
+        task.add_done_callback(self._cancels.discard)
+        return task
+
     async def close(self, _app: web.Application | None = None) -> None:
+        if self._cancels:  # each call is bounded by --cancel-timeout
+            await asyncio.wait(set(self._cancels), timeout=self.config.cancel_timeout_s)
         if self.session is not None:
             await self.session.close()
         if self.shards is not None:

@@ -10,7 +10,8 @@ deadline (push mode) from its first attempt: a retry gets what its
 predecessors left of them, so a request whose every attempt fails is still
 answered by its deadline, and none is made with less than RETRY_MIN_LEFT_S
 left. A leg that fails before any output reached the client ends its
-attempt: the transfer attempt is cancelled at the broker (push mode), the other leg is abandoned (closing its connection
+attempt: the transfer attempt is cancelled at the broker (push mode; beside the answer, which never waits for it, and
+before any retry's legs), the other leg is abandoned (closing its connection
 makes vLLM abort it) and, when the fault was an engine's and another engine
 is left to try, both legs go out again as attempt + 1. Once output has
 reached the client nothing is retried (relay.py).
@@ -86,6 +87,10 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
             break
         if attempt > 1:
             left = _left_until_output(router, ctx)
+            if ctx.cancelling is not None and left >= RETRY_MIN_LEFT_S:
+                # The failed attempt's cancel reaches the broker before the retry's legs (within what is left).
+                await asyncio.wait([ctx.cancelling], timeout=left - RETRY_MIN_LEFT_S)
+                left = _left_until_output(router, ctx)
             if left < RETRY_MIN_LEFT_S:
                 router.metrics.retries_skipped.inc()
                 ctx.span.add_event("retry_skipped", {ATTR_ATTEMPT: attempt, "kvpush.left_s": round(left, 3)})
@@ -206,7 +211,8 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
         error = "client went away" if isinstance(exc, ClientGone) else str(exc) or type(exc).__name__
         decode.close(abort=True, error=error)
         if config.mode == "push" and getattr(exc, "cancel_attempt", True):
-            await cancel_transfer(router, ctx.transfer_id, attempt, error)
+            # Beside the answer: a broker that does not answer would otherwise hold it up to --cancel-timeout.
+            ctx.cancelling = router.cancel_later(cancel_transfer(router, ctx.transfer_id, attempt, error))
         raise
     return Opened(decode, p_task)
 

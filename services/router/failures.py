@@ -93,8 +93,8 @@ class TransferFailure(LegFailure):
         self.args = (verdict.message + (f" ({seen})" if seen else ""),)
         self.verdict = verdict
         # A record that is another request's is never ours to cancel; a member that
-        # did not answer would only add its call's timeout to the answer (the
-        # decode engine's own deadline frees the blocks, as for any lost cancel).
+        # did not answer would not answer a cancel either (the decode engine's own
+        # deadline frees the blocks, as for any lost cancel).
         self.cancel_attempt = verdict.reason not in (TRANSFER_CONFLICT, BROKER_MEMBER_UNREACHABLE)
         self.blames_engine = verdict.retry_side != BROKER_SIDE
 

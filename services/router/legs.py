@@ -55,6 +55,7 @@ class RequestContext:
     prefill_answered: float = 0.0  # time.monotonic() when the current attempt's prefill leg answered (0: not yet)
     broker_owner: Owner = Owner()  # push mode: the broker member that holds the current attempt
     transfer_deadline: float = 0.0  # push mode: time.monotonic() when the transfer deadline passes (set by the first attempt)
+    cancelling: asyncio.Task | None = None  # push mode: the last failed attempt's CancelTransfer, run beside the request
 
     def left_s(self, limit_s: float) -> float:
         """Seconds left of a bound limit_s counted from the request's arrival (negative once it passed): retries share it."""

@@ -19,7 +19,7 @@ from kvpush.client import UNSHARDED, ClientConfig, ShardMap
 from kvpush.client.backoff import Backoff
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.router.shard_watch import BROKER_SHARD_LOST, BROKER_SHARD_MOVED, Owner, ShardWatch
-from tests.client.shard_members import Cluster, members
+from tests.client.shard_members import Cluster, Member, members
 from tests.router.fake_engines import DECODE_WORDS
 from tests.router.transfer_failure_harness import (
     BODY,
@@ -197,3 +197,59 @@ async def test_an_unreachable_member_still_in_the_map_is_answered_by_the_request
     assert guard_s <= elapsed < guard_s + slack_s / 2 + 0.5 < shard_loss_wait_s, f"answered after {elapsed:.2f} s"
     assert 'kvpush_router_failed_requests_total{reason="BROKER_MEMBER_UNREACHABLE"} 1.0' in metrics
     assert "kvpush_router_cancel_failures_total 0.0" in metrics, "no cancel was sent to the member that did not answer"
+
+
+class StalledBroker(Member):
+    """An unsharded broker that stops answering GetTransfer and CancelTransfer once stalled (its port still accepts calls)."""
+
+    stalled = False
+
+    async def GetTransfer(self, request, context):
+        if self.stalled:
+            self.calls.append(("GetTransfer", request.transfer_id))
+            await asyncio.Event().wait()  # until the caller's deadline cancels the call
+        return await super().GetTransfer(request, context)
+
+    async def CancelTransfer(self, request, context):
+        if self.stalled:
+            self.calls.append(("CancelTransfer", request.key.transfer_id))
+            await asyncio.Event().wait()
+        return await super().CancelTransfer(request, context)
+
+
+async def test_a_stalled_unsharded_broker_does_not_hold_up_the_answer_with_the_attempts_cancel(spans):
+    """The decode leg stays silent and the only broker stops answering: the request is answered at its transfer deadline plus
+    slack (plus half the slack the broker gets to say why), not --cancel-timeout later; the attempt's cancel is still sent,
+    beside the answer, and fails on its own bound."""
+    transfer_timeout_ms, slack_s, cancel_timeout_s = 600, 0.2, 2.0
+    cluster = Cluster()  # publishes revision 0: unsharded
+    async with members(cluster, ["broker"], member_class=StalledBroker) as served:
+        broker = served["broker"]
+        prefill, decode = await serve(ScriptedEngine("prefill", "prefill-0", just("ok")), ScriptedEngine("decode", "decode-0", just("hang")))
+        overrides = {"transfer_timeout_ms": transfer_timeout_ms, "transfer_deadline_slack_s": slack_s, "cancel_timeout_s": cancel_timeout_s}
+        try:
+            async with router_under_test(port_of(broker.address), [prefill], [decode], spans[0], **overrides) as router:
+                assert await router.router.broker.shard_map.wait_ready(WAIT_S)
+                assert not router.router.broker.shard_map.sharded
+                broker.stalled = True
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                status, body, _ = await router.post("/v1/completions", BODY)
+                elapsed = loop.time() - started
+                transfer_id, _ = key_of(decode)
+                await wait_until(lambda: ("CancelTransfer", transfer_id) in broker.calls)
+                answered_metrics = await router.metrics()
+                for _ in range(int((cancel_timeout_s + 2) / 0.05)):
+                    metrics = await router.metrics()
+                    if "kvpush_router_cancel_failures_total 1.0" in metrics:
+                        break
+                    await asyncio.sleep(0.05)
+        finally:
+            await stop(prefill, decode)
+    error = error_of(body)
+    assert status == 504 and error["reason"] == "ROUTER_DEADLINE_EXCEEDED", body
+    assert "the kvpush control plane could not say why" in error["message"], error["message"]
+    guard_s = transfer_timeout_ms / 1000 + slack_s
+    assert guard_s <= elapsed < guard_s + slack_s / 2 + 0.5 < guard_s + cancel_timeout_s, f"answered after {elapsed:.2f} s"
+    assert "kvpush_router_cancel_failures_total 0.0" in answered_metrics, "the cancel was still running when the request was answered"
+    assert "kvpush_router_cancel_failures_total 1.0" in metrics, "the cancel ended on its own bound"
