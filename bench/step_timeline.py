@@ -69,9 +69,9 @@ def _within(spans: list[tuple[float, float]], start: float, end: float) -> list[
     return spans[lo:hi]
 
 
-def forward_steps(core: Calls, worker: Calls, window: tuple[float, float]) -> list[dict[str, float]]:
-    """The parts (ms) of each step in `window` whose engine core called sample_tokens (the steps that ran the model)."""
-    steps = []
+def _model_steps(core: Calls, worker: Calls, window: tuple[float, float]):
+    """(schedule, forward, execute, answered, sample, update) spans of each step in `window` whose engine core called
+    sample_tokens (the steps that ran the model)."""
     for step_start, step_end in _within(core.get("core.step", []), *window):
         sample = _within(core.get("core.sample_tokens", []), step_start, step_end)
         schedule = _within(core.get("core.schedule", []), step_start, step_end)
@@ -85,18 +85,30 @@ def forward_steps(core: Calls, worker: Calls, window: tuple[float, float]) -> li
             continue
         execute = executed[-1]
         forward = _within(worker["worker.model_forward"], execute[0], execute[1])[0]
+        yield schedule[0], forward, execute, answered[-1], sample[0], update[0]
+
+
+def forward_steps(core: Calls, worker: Calls, window: tuple[float, float]) -> list[dict[str, float]]:
+    """The parts (ms) of each step in `window` that ran the model."""
+    steps = []
+    for schedule, forward, execute, answered, sample, update in _model_steps(core, worker, window):
         parts = {
-            "schedule": schedule[0][1] - schedule[0][0],
-            "to_forward": forward[0] - schedule[0][1],
+            "schedule": schedule[1] - schedule[0],
+            "to_forward": forward[0] - schedule[1],
             "model_forward": forward[1] - forward[0],
             "after_forward": execute[1] - forward[1],
-            "answer_to_core": answered[-1][1] - execute[1],
-            "sample": sample[0][1] - sample[0][0],
-            "output": update[0][1] - sample[0][1],
-            "step": update[0][1] - schedule[0][1],
+            "answer_to_core": answered[1] - execute[1],
+            "sample": sample[1] - sample[0],
+            "output": update[1] - sample[1],
+            "step": update[1] - schedule[1],
         }
         steps.append({k: v * 1000 for k, v in parts.items()})
     return steps
+
+
+def forward_steps_spans(core: Calls, worker: Calls, window: tuple[float, float]) -> list[tuple[float, float, float]]:
+    """(schedule end, forward start, update_from_output end) of each step in `window` that ran the model (CLOCK_MONOTONIC s)."""
+    return [(schedule[1], forward[0], update[1]) for schedule, forward, _, _, _, update in _model_steps(core, worker, window)]
 
 
 def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import sweep
+from bench.offcpu import MISSING as PERF_MISSING
+from bench.offcpu import perf_usable
 from bench.pyspy import MISSING as PYSPY_MISSING
 from bench.pyspy import pyspy_binary
 from bench.sweep.report import report
@@ -52,6 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="print the tables and targets of --results-dir and write summary.json")
     parser.add_argument("--profile", type=Path, default=None,
                         help="sample every process of P and D with py-spy during each run (on-CPU samples, every thread) into this folder")
+    parser.add_argument("--offcpu", action="store_true",
+                        help="record with perf where P's and D's worker main threads wait during each run (<results-dir>/offcpu); "
+                             "python -m bench.offcpu <results-dir> prints it (pair with --step-timeline for per-step figures)")
     parser.add_argument("--aux-cpus", default=None, metavar="LIST",
                         help="pin every stack's router and control plane (every thread) to these CPUs, e.g. 1 (D's); unpinned by default")
     parser.add_argument("--step-timeline", action="store_true",
@@ -72,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--aux-cpus {args.aux_cpus}: this process may use CPUs {sorted(os.sched_getaffinity(0))} only")
     if args.profile and pyspy_binary() is None:
         parser.error(f"--profile {PYSPY_MISSING}")
+    if args.offcpu and not perf_usable():
+        parser.error(f"--offcpu {PERF_MISSING}")
     if args.report_only:
         return report(args.results_dir, args.modes, args.markdown)
     if args.quick:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from bench.offcpu import start_offcpu, stop_offcpu
 from bench.pyspy import start_profilers, stop_profilers
 from bench.sweep.grid import Point, Workload
 from bench.sweep.load import run_load
@@ -48,9 +49,11 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
         progress.update(1)
 
     profilers = start_profilers(stack, args.profile, point.run_name(mode)) if args.profile else []
+    offcpu = start_offcpu(list(stacks), stack, args.results_dir / "offcpu", point.run_name(mode)) if args.offcpu else None
     started = time.monotonic()
     records, wall = asyncio.run(run_load(stack.router_url, workload, mode, args.request_timeout, done))
     ended = time.monotonic()
+    stop_offcpu(offcpu)
     stop_profilers(profilers)
     cpu_after = {s.mode: s.cpu_seconds() for s in stacks}
     threads_after = {"P": thread_cpu_seconds(stack.prefill.pids()), "D": thread_cpu_seconds(stack.decode.pids())}
