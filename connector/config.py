@@ -78,7 +78,7 @@ class ConnectorConfig(Settings):
         help='P writes each layer\'s KV as soon as it is computed: "on", "off", or "auto" (on when the KV cache is in GPU memory)',
     )
     idle_wait_ms: float = setting(5.0, convert=float, positive=True, help="how long an idle engine step sleeps waiting for transfer progress")
-    poll_interval_ms: float = setting(0.5, convert=float, positive=True, help="NIXL polling interval while a WRITE is due (P posts it, or posted a part)")
+    poll_interval_ms: float = setting(0.5, convert=float, positive=True, help="NIXL polling interval while a WRITE is due (P posts it, or posted a part); on D the engine thread polls at this interval in steps with nothing to compute")
     waiting_poll_ms: int | None = setting(
         None,
         convert=_ms_or_auto,

@@ -11,16 +11,22 @@ deterministic (time from its Clock, NIXL through a transport), so the
 protocol simulation drives the same code; Consumer wraps it in the worker's
 transfer thread.
 
-How often the thread polls NIXL (each poll wakes a thread that takes the
-GIL on the core the decode forward runs on): every poll_interval while a
-WRITE to this rank is due, every waiting_poll while receives only wait,
-rarely (idle_poll) otherwise, to let producers connect. A WRITE is due
-once P said so (a due notification, sent near the predicted end of the
+Who polls NIXL, and how often. vLLM acts on a landed KV only when the
+engine thread next asks (get_finished, at the end of a step), so the engine
+thread polls then itself (about a microsecond): while the engine computes,
+nothing needs to poll for it, and a poll from another thread would wake a
+thread on the core the decode forward runs on. In a step with nothing to
+compute, the engine thread polls every poll_interval while a WRITE to this
+rank is due, else every waiting_poll, until a result or the step's idle
+wait ends. The transfer thread takes the scheduler's items and polls every
+waiting_poll while receives wait (every poll_interval when waiting_poll is
+None: KV in GPU memory), rarely (idle_poll) otherwise, to let producers
+connect; it never polls faster for a WRITE that is due. A WRITE is
+due once P said so (a due notification, sent near the predicted end of the
 forward that computes it), once a part of it landed (layer-progressive
-push), and
-for fresh_poll after a receive is expected (P may be done already: its
-WRITE then follows D's registration). A missed or lost hint costs at most
-waiting_poll of latency, never a receive.
+push), and for fresh_poll after a receive is expected (P may be done
+already: its WRITE then follows D's registration). A missed or lost hint
+costs at most waiting_poll of latency, never a receive.
 
 Failing a request is the decode scheduler's decision (it knows when the
 blocks are safe to reuse): fail(req_id) always reports it, once.
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -211,15 +218,24 @@ class ConsumerCore:
 
 
 class Consumer:
-    """A decode worker's transfer thread around its ConsumerCore."""
+    """A decode worker's transfer thread around its ConsumerCore, and the engine thread's polls.
+
+    The core is single-threaded: the transfer thread and the engine thread
+    take turns on it under one lock, held for microseconds.
+    """
 
     def __init__(self, core: ConsumerCore, poll_interval_s: float, idle_poll_s: float):
         self.core = core
+        self.poll_interval_s = poll_interval_s
         self.ready = threading.Event()  # set when a result is waiting
         core.on_result = self.ready.set
         self._pending = 0
         self._count_lock = threading.Lock()
-        self._thread = TransferThread("kvpush-consumer", core, poll_interval_s, idle_poll_s)
+        self._core_lock = threading.Lock()
+        # The thread polls at the waiting pace (fast when that is None: KV in GPU memory);
+        # the engine thread polls at each step's end and fast in idle steps.
+        background_s = core.waiting_poll_s if core.waiting_poll_s is not None else poll_interval_s
+        self._thread = TransferThread("kvpush-consumer", _LockedCore(core, self._core_lock), background_s, idle_poll_s)
 
     def expect(self, recv: DestinationReady) -> None:
         with self._count_lock:
@@ -237,8 +253,52 @@ class Consumer:
                 self._pending = max(0, self._pending - len(finished))
         return finished, failed
 
+    def poll(self) -> tuple[set[str], set[str]]:
+        """Engine thread: takes NIXL's new notifications now, then the results."""
+        with self._core_lock:
+            self.core.step()
+        return self.take_results()
+
+    def wait(self, wait_s: float) -> tuple[set[str], set[str]]:
+        """Engine thread, in a step with nothing to compute: the first results within wait_s (none: empty sets).
+
+        Polls every poll_interval while a WRITE is due, else every
+        waiting_poll (a failure the transfer thread publishes ends a wait
+        early).
+        """
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.core.busy:
+                time.sleep(min(self.poll_interval_s, left))
+            else:
+                self.ready.wait(min(left, self.core.waiting_poll_s or left))
+            finished, failed = self.poll()
+            if finished:
+                return finished, failed
+        return set(), set()
+
     def has_work(self) -> bool:
         return self._pending > 0
 
     def stop(self) -> None:
         self._thread.stop()
+
+
+class _LockedCore:
+    """The transfer thread's view of a core the engine thread also steps."""
+
+    def __init__(self, core: ConsumerCore, lock: threading.Lock):
+        self._core = core
+        self._lock = lock
+
+    def handle(self, item: tuple) -> None:
+        with self._lock:
+            self._core.handle(item)
+
+    def step(self) -> float | None:
+        with self._lock:
+            return self._core.step()
+
+    @property
+    def busy(self) -> bool:
+        return self._core.busy

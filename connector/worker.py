@@ -278,9 +278,10 @@ class KvpushWorker:
                 done = self.producer.take_finished()
             return done, set(), set()
         if self.consumer is not None:
-            finished, failed = self.consumer.take_results()
-            if not finished and idle and self.consumer.has_work() and self.consumer.ready.wait(wait_s):
-                finished, failed = self.consumer.take_results()
+            # The KV that landed during this step is taken now: vLLM acts on it only from here (consumer.py).
+            finished, failed = self.consumer.poll() if self.consumer.has_work() else self.consumer.take_results()
+            if not finished and idle and self.consumer.has_work():
+                finished, failed = self.consumer.wait(wait_s)
             return set(), finished, failed
         return set(), set(), set()
 

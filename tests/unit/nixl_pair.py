@@ -244,9 +244,10 @@ class Pair:
 
 
 @contextlib.contextmanager
-def transfer_threads(idle: float = IDLE) -> Iterator[tuple[Pair, Producer, Consumer]]:
-    """A Pair on the system clock with a Producer and a Consumer thread over it (POLL, idle), the producer knowing the pair's engine; stopped on the way out."""
+def transfer_threads(idle: float = IDLE, waiting_poll: float | None = None) -> Iterator[tuple[Pair, Producer, Consumer]]:
+    """A Pair on the system clock with a Producer and a Consumer thread over it (POLL, idle; the consumer's waiting_poll), the producer knowing the pair's engine; stopped on the way out."""
     pair = Pair(clock=SystemClock())
+    pair.consumer.waiting_poll_s = waiting_poll
     producer = Producer(pair.producer, POLL, idle)
     consumer = Consumer(pair.consumer, POLL, idle)
     producer.on_engine_event(reg_pb.WatchEnginesResponse(type=reg_pb.ENGINE_EVENT_TYPE_UPSERTED, engine=pair.engine))

@@ -82,3 +82,52 @@ def test_a_receive_left_without_a_due_notification_is_polled_at_the_waiting_inte
         deliver(pair.message("order", "t1"))
         producer.source_ready(SourceReady("p-req", "t1", 1, "p-req", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0))
         assert wait(lambda: consumer.take_results() if consumer.ready.wait(0.05) else None) == ({"d-req"}, set())
+
+
+def test_the_engine_thread_takes_a_landed_kv_itself_while_the_transfer_thread_polls_only_at_the_waiting_pace():
+    """vLLM acts on a landed KV only when the engine thread asks: it polls NIXL then itself, so nothing polls fast while it
+    computes. Here the transfer thread would not poll for a minute (waiting_poll 60 s, idle_poll 60 s), yet the engine
+    thread's poll() reports the KV once it landed."""
+    with transfer_threads(idle=60.0, waiting_poll=60.0) as (pair, producer, consumer):
+        deliver = producer.open_stream()
+        consumer.expect(DestinationReady("d-req", "t1", 1, 0, 110, time.time_ns(), ""))
+        assert wait(lambda: ("t1", 1) in pair.consumer._pending)  # the transfer thread took the item (and polled once)
+        deliver(pair.message("order", "t1"))
+        producer.source_ready(SourceReady("p-req", "t1", 1, "p-req", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0))
+        time.sleep(0.5)  # the WRITE lands meanwhile
+        assert consumer.take_results() == (set(), set()), "nothing polled NIXL since"
+        assert wait(lambda: consumer.poll()[0]) == {"d-req"}
+        assert not consumer.has_work()
+        pair.check_bytes((7, 2, 9, 4), (5, 1), 0, 110)
+
+
+def test_an_idle_engine_step_polls_while_a_write_is_due_and_returns_when_it_lands():
+    """A step with nothing to compute waits (wait) up to its idle wait: while a WRITE is due (here: the receive is fresh) the
+    engine thread polls every poll_interval and returns as the KV lands, not at the end of the wait nor the transfer
+    thread's next poll (a minute away)."""
+    with transfer_threads(idle=60.0, waiting_poll=60.0) as (pair, producer, consumer):
+        pair.consumer.fresh_poll_s = 30.0
+        deliver = producer.open_stream()
+        consumer.expect(DestinationReady("d-req", "t1", 1, 0, 110, time.time_ns(), ""))
+        assert wait(lambda: pair.consumer.busy)
+        assert consumer.wait(0.05) == (set(), set()), "nothing landed: empty at the end of the wait"
+        deliver(pair.message("order", "t1"))
+        producer.source_ready(SourceReady("p-req", "t1", 1, "p-req", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0))
+        started = time.monotonic()
+        assert consumer.wait(20.0) == ({"d-req"}, set())
+        assert time.monotonic() - started < 10.0
+
+
+def test_an_idle_engine_steps_wait_polls_when_no_write_is_due():
+    """After its fresh window, a receive P never said was due (its source was ready at once) is found by the engine
+    thread's idle wait (it polls at least every waiting_poll and at its end), though the transfer thread would not poll
+    for a minute (waiting_poll 60 s)."""
+    with transfer_threads(idle=60.0, waiting_poll=60.0) as (pair, producer, consumer):
+        pair.consumer.fresh_poll_s = 0.02
+        deliver = producer.open_stream()
+        consumer.expect(DestinationReady("d-req", "t1", 1, 0, 110, time.time_ns(), ""))
+        time.sleep(0.1)  # the fresh window is over
+        deliver(pair.message("order", "t1"))
+        producer.source_ready(SourceReady("p-req", "t1", 1, "p-req", "decode-t", ((7, 2, 9, 4),), 110, 30.0, "", 0, 0))
+        assert not pair.consumer.busy
+        assert wait(lambda: consumer.wait(0.05)[0]) == {"d-req"}
