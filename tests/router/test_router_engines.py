@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpush import errors
 from kvpush.localstack.completions import Completion, completions, max_logprob_diff, stream_completions
 from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
 from kvpush.localstack.engines import start_vllm_server
@@ -250,9 +251,14 @@ def test_dead_prefill_engine_gives_a_clear_5xx_and_frees_decode_blocks(stack):
     assert response.status == 502
     assert (error["leg"], error["engine_id"]) == ("prefill", "prefill-0")
     assert error["message"].startswith(f"prefill leg to prefill-0 ({dead_url}): cannot connect")
-    # The router cancels the attempt beside its answer, not before it.
-    wait_for(lambda: get_transfer(stack["control_plane"], error["transfer_id"], 1).state == transfer_pb2.TRANSFER_STATE_CANCELLED,
-             timeout=5.0, interval=0.1, what="attempt 1 cancelled by the router")
+    # The router cancels the attempt beside its answer, not before it: until then the broker may not know it yet.
+    def cancelled() -> bool:
+        try:
+            return get_transfer(stack["control_plane"], error["transfer_id"], 1).state == transfer_pb2.TRANSFER_STATE_CANCELLED
+        except errors.NotFound:
+            return False
+
+    wait_for(cancelled, timeout=5.0, interval=0.1, what="attempt 1 cancelled by the router")
     # Engines publish the gauge only while stepping: a small request makes D step once its abandoned one is gone.
     wait_for(lambda: completions(decode.url, [5, 6, 7], 1) and free_kv_blocks(decode.url) == total, timeout=30.0, interval=0.5,
              what="all of D's blocks free")
