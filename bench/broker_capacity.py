@@ -21,7 +21,9 @@ on the others.
 Phases: open-loop offered rates (default 2,000, 5,000 and 10,000/s) and a
 closed loop at maximum throughput. Each phase also reports the CPU time the
 server and the load generators spent per rendezvous, which bounds capacity
-whatever else the machine runs. Prints a table beside the target (issue 9:
+whatever else the machine runs. Two ceilings are measured beside them: the
+broker core alone (no gRPC), and gRPC alone (a bare grpc.aio server on the
+same event loop answering the same messages, doing nothing else). Prints a table beside the target (issue 9:
 >= 10,000/s per control-plane process with p99 <= 5 ms) and one JSON line.
 
 With `--shards N` the control plane is the scaled-out form instead
@@ -64,6 +66,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import sample_engines as sample
@@ -81,6 +84,8 @@ SERVER_CPU = 0  # --pin: the control plane's CPU
 BARRIER_TIMEOUT_S = 120.0  # one phase with its drain, or the load processes' start
 TRANSFER_TIMEOUT_S = 300.0  # no attempt may expire while the benchmark runs
 TOKENS = 256
+FLOOR_SERVICE = "kvpush.bench.Floor"  # the bare server of transport_floor
+FLOOR_MESSAGES = 5_000
 
 
 def core_only(count: int) -> dict:
@@ -109,6 +114,101 @@ def core_only(count: int) -> dict:
     elapsed = time.perf_counter() - started
     assert len(orders.outbox) == count
     return {"phase": "core alone", "rendezvous_per_s": count / elapsed}
+
+
+def _floor_server(port_out: multiprocessing.Queue, cpu: int | None, answer: bytes, order: bytes) -> None:
+    """A bare grpc.aio server on the control plane's event loop: answers each stream message with `answer`, or streams `order` n times; no other work."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+    async def answer_each(requests, context) -> None:
+        async for _ in requests:
+            await context.write(answer)
+
+    async def stream_orders(request: bytes, context) -> None:
+        for _ in range(int(request)):
+            await context.write(order)
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        handlers = {"AnswerEach": grpc.stream_stream_rpc_method_handler(answer_each),
+                    "StreamOrders": grpc.unary_stream_rpc_method_handler(stream_orders)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR_SERVICE, handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        port_out.put(port)
+        await server.wait_for_termination()
+
+    run_event_loop(serve())
+
+
+async def _floor_phases(address: str, server_pid: int, count: int, request: bytes) -> dict:
+    """Server CPU per answered message (one in flight, as an engine awaiting each answer; and 16) and per streamed message."""
+    figures = {}
+    async with grpc.aio.insecure_channel(address) as channel:
+        answer_each = channel.stream_stream(f"/{FLOOR_SERVICE}/AnswerEach")
+        stream_orders = channel.unary_stream(f"/{FLOOR_SERVICE}/StreamOrders")
+        for window in (1, 16):
+            call = answer_each(timeout=BARRIER_TIMEOUT_S)
+            in_flight = asyncio.Semaphore(window)
+
+            async def read_answers(call=call, in_flight=in_flight) -> int:
+                answers = 0
+                for _ in range(count):
+                    if await call.read() is grpc.aio.EOF:
+                        break
+                    answers += 1
+                    in_flight.release()
+                return answers
+
+            cpu = cpu_seconds(server_pid)
+            reader = asyncio.create_task(read_answers())
+            for _ in range(count):
+                await in_flight.acquire()
+                await call.write(request)
+            if await reader != count:
+                raise RuntimeError("the bare server answered fewer messages than it was sent")
+            figures[f"answered_message_us_{window}_in_flight"] = (cpu_seconds(server_pid) - cpu) / count * 1e6
+            await call.done_writing()
+        cpu = cpu_seconds(server_pid)
+        streamed = 0
+        async for _ in stream_orders(str(count).encode(), timeout=BARRIER_TIMEOUT_S):
+            streamed += 1
+        if streamed != count:
+            raise RuntimeError("the bare server streamed fewer messages than asked")
+        figures["streamed_message_us"] = (cpu_seconds(server_pid) - cpu) / count * 1e6
+    return figures
+
+
+def transport_floor(count: int, pin: bool) -> dict:
+    """What grpc.aio alone costs the server per rendezvous: a bare server, the same messages, no broker work.
+
+    A rendezvous over the engines' streams is at least two answered stream
+    messages (the registration, the prefill-done) and one streamed order;
+    with one item per message (the benchmark's rates, a few items per step
+    and engine) that is the transport's floor per rendezvous, however fast
+    the broker's own code gets. Best case: 16 messages in flight.
+    """
+    registration = rv_pb.EngineReportsRequest(engine_id="decode-0", registrations=[sample.destination_request("f-1", num_tokens=TOKENS)])
+    answer = rv_pb.EngineReportsResponse()
+    answer.registrations.add(key=registration.registrations[0].key).response.state = tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+    order = rv_pb.StreamWriteOrdersResponse(order=tr_pb.WriteOrder(key=registration.registrations[0].key,
+                                                                   destination=registration.registrations[0].destination))
+    context = multiprocessing.get_context("spawn")
+    port_out = context.Queue()
+    server = context.Process(target=_floor_server, args=(port_out, SERVER_CPU if pin else None, answer.SerializeToString(), order.SerializeToString()),
+                             daemon=True)
+    server.start()
+    try:
+        port = port_out.get(timeout=START_TIMEOUT_S)
+        figures = run_event_loop(_floor_phases(f"127.0.0.1:{port}", server.pid, count, registration.SerializeToString()))
+    finally:
+        server.kill()
+        server.join(10)
+    best = min(figures["answered_message_us_1_in_flight"], figures["answered_message_us_16_in_flight"])
+    figures["rendezvous_us"] = 2 * best + figures["streamed_message_us"]
+    figures["rendezvous_per_s"] = 1e6 / figures["rendezvous_us"] if figures["rendezvous_us"] else float("inf")  # below the clock's tick
+    return {"phase": "transport floor (bare grpc.aio)", **figures}
 
 
 class StreamSender:
@@ -464,7 +564,7 @@ def summary(name: str, elapsed: float, server_cpu: float, parts: list[dict]) -> 
     }
 
 
-def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
+def report(core: dict, floor: dict, results: list[dict], args: argparse.Namespace) -> None:
     print(f"transport: {args.transport}; " + (f"{args.shards} broker shard(s) on etcd" if args.shards else "embedded control plane")
           + f"; {args.engines} engine pair(s), step {args.step_ms:g} ms, {args.load_processes} load process(es)"
           + (", pinned" if args.pin else ""))
@@ -476,6 +576,10 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
         )
     *offered, maximum = results
     print(f"{'core alone (no gRPC)':<22}{core['rendezvous_per_s']:>14,.0f}")
+    print(f"{'gRPC alone (no work)':<22}{floor['rendezvous_per_s']:>14,.0f}{'':>28}{floor['rendezvous_us']:>19,.0f}"
+          f"   (a bare grpc.aio server: {floor['answered_message_us_1_in_flight']:,.0f} us per answered message one at a time, "
+          f"{floor['answered_message_us_16_in_flight']:,.0f} with 16 in flight, {floor['streamed_message_us']:,.0f} per streamed message; "
+          f"a rendezvous is 2 answered + 1 streamed)")
     # A rate is held when (nearly) all of it was delivered with p99 <= the target.
     held = {rate: r["rendezvous_per_s"] >= 0.98 * rate and r["p99_ms"] <= TARGET_P99_MS for rate, r in zip(args.rates, offered, strict=True)}
     for rate, ok in held.items():
@@ -484,7 +588,8 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
     print(
         f"target: >= {TARGET_RATE:,}/s per control-plane process with p99 <= {TARGET_P99_MS:g} ms -> {'met' if meets else 'NOT met'}"
         f" (highest rate held: {max((rate for rate, ok in held.items() if ok), default=0):,.0f}/s; "
-        f"max {maximum['rendezvous_per_s']:,.0f}/s closed loop, {core['rendezvous_per_s']:,.0f}/s in the core alone)"
+        f"max {maximum['rendezvous_per_s']:,.0f}/s closed loop, {core['rendezvous_per_s']:,.0f}/s in the core alone, "
+        f"{floor['rendezvous_per_s']:,.0f}/s for gRPC alone at one item per message)"
     )
     print(
         json.dumps(
@@ -499,6 +604,7 @@ def report(core: dict, results: list[dict], args: argparse.Namespace) -> None:
                 "cpus": os.cpu_count(),
                 "load_average": os.getloadavg(),
                 "core_alone": core,
+                "transport_floor": floor,
                 "offered": offered,
                 "max": maximum,
                 "target_rate": TARGET_RATE,
@@ -556,7 +662,7 @@ def main() -> int:
                 results = run(args, plane.address, {"": plane.address}, tokens, [plane.process.pid])
             finally:
                 plane.stop()
-    report(core_only(20_000), results, args)
+    report(core_only(20_000), transport_floor(FLOOR_MESSAGES, args.pin), results, args)
     return 0
 
 

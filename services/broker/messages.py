@@ -23,8 +23,9 @@ class Messages:
         self._clock = clock
         self._tracing = tracing
         self._max_clock_skew_s = config.max_clock_skew_s
-        # The lease an order stream's message grants, shortened so the rank's clock cannot stretch it.
-        self._order_lease = config.stream_lease_s - config.max_clock_skew_s
+        # The lease an order stream's message grants, shortened so the rank's clock cannot stretch it
+        # (built once: every message carries the same).
+        self._order_lease = validation.duration(config.stream_lease_s - config.max_clock_skew_s)
 
     # ----- to producer ranks -----
 
@@ -39,9 +40,11 @@ class Messages:
             # Measured by the rank from send_time: the skew allowance keeps
             # its last post before the deadline whatever its clock says.
             write_budget=validation.duration(att.orders[rank_key].budget_end - now - self._max_clock_skew_s),
-            trace_context=self._tracing.carrier(att),
             write_timeout=validation.duration(att.write_timeout),
         )
+        carrier = self._tracing.carrier(att)
+        if carrier:  # a map passed to the constructor goes through Python's MutableMapping.update even when empty
+            order.trace_context.update(carrier)
         if full:
             order.source.CopyFrom(att.src.source)
         return self._to_producer(order=order)
@@ -56,7 +59,7 @@ class Messages:
         return self._to_producer(heartbeat=rv_pb.StreamHeartbeat())
 
     def _to_producer(self, **message) -> rv_pb.StreamWriteOrdersResponse:
-        return rv_pb.StreamWriteOrdersResponse(**message, send_time=timestamp(self._clock.wall()), stream_lease=validation.duration(self._order_lease))
+        return rv_pb.StreamWriteOrdersResponse(**message, send_time=timestamp(self._clock.wall()), stream_lease=self._order_lease)
 
     # ----- to decode engines and callers -----
 

@@ -59,6 +59,5 @@ def non_negative_seconds(duration: duration_pb2.Duration, field: str, maximum: f
 
 def duration(seconds: float) -> duration_pb2.Duration:
     """A Duration proto for seconds (negative values become zero)."""
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(max(0, int(seconds * 1e9)))
-    return d
+    whole, nanos = divmod(int(seconds * 1e9), 1_000_000_000) if seconds > 0 else (0, 0)
+    return duration_pb2.Duration(seconds=whole, nanos=nanos)
