@@ -11,7 +11,7 @@ takes, on one clock, the instants
     prefill end     p.prefill end (the forward that completed the prompt)
     WRITE posted    p.write_post end
     KV landed       d.wait_for_kv end (D's transfer thread counted the last notification)
-    D scheduled     d.first_decode_step start (D's scheduler learnt the KV is in)
+    D scheduled     d.first_decode_step start (D's first decode step is scheduled)
 
 under open-loop load at each `--qps` (requests evenly spaced), and prints p50/p99
 of each segment beside two targets: prefill end → WRITE posted ≤ 1 ms and

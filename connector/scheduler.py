@@ -91,7 +91,9 @@ class DecodeScheduler(_Scheduler):
         self._new_recvs: list[DestinationReady] = []
         # What the control loop heard, applied on the engine thread: (kind, args).
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._decoding: dict[str, tuple[DecodeWait, int]] = {}  # received, before its first decode step: (wait, received_ns)
+        self._receiving: dict[str, Any] = {}  # registered, KV not in yet: req_id -> vLLM's request
+        self._received: dict[str, tuple[DecodeWait, Any]] = {}  # KV in, first decode step not scheduled yet: (wait, request)
+        self._first_steps: dict[str, tuple[DecodeWait, Any, int]] = {}  # first decode step running: (wait, request, its start)
         self.reports: ReportRouter | None = None
         self._outgoing: list[Report] = []  # registrations and cancellations of this step, sent at its end
 
@@ -154,6 +156,7 @@ class DecodeScheduler(_Scheduler):
         first_token = request.num_computed_tokens
         num_tokens = request.num_prompt_tokens - first_token
         self._new_recvs.append(DestinationReady(wait.req_id, params.transfer_id, params.attempt, first_token, num_tokens, wait.alloc_ns, params.traceparent))
+        self._receiving[request.request_id] = request
         self._register(request, params, wait, first_token, num_tokens)
 
     def _register(self, request: Any, params: TransferParams, wait: DecodeWait, first_token: int, num_tokens: int) -> None:
@@ -217,9 +220,10 @@ class DecodeScheduler(_Scheduler):
             self.reports.send_many(self._outgoing)
             self._outgoing = []
         for req_id in scheduler_output.num_scheduled_tokens:
-            decoding = self._decoding.pop(req_id, None)
-            if decoding is not None:
-                self.spans.emit("d.first_decode_step", decoding[1], now_ns, decoding[0].params)
+            received = self._received.pop(req_id, None)
+            if received is not None:
+                # Its first decode step starts; it ends once that step's token is in (update_connector_output).
+                self._first_steps[req_id] = (*received, now_ns)
         return meta
 
     def _drain_inbox(self) -> None:
@@ -240,21 +244,32 @@ class DecodeScheduler(_Scheduler):
                 self.waits.registration_refused(*args)
 
     def update_connector_output(self, output: Any) -> None:
+        # vLLM calls this after it took the step's tokens, so a first decode step that produced its token
+        # ends here, also when vLLM schedules the next step before this one's output (async scheduling).
         now_ns = time.time_ns()
+        for req_id in [req_id for req_id, (_, request, _) in self._first_steps.items() if request.num_output_tokens]:
+            wait, _, started_ns = self._first_steps.pop(req_id)
+            self.spans.emit("d.first_decode_step", started_ns, now_ns, wait.params)
         failed = output.failed_recving or ()
         for req_id in output.finished_recving or ():
+            request = self._receiving.pop(req_id, None)
             if req_id in failed:
                 continue  # DecodeWaits released it
             wait = self.waits.received(req_id)
-            if wait is not None:
-                self._decoding[req_id] = (wait, now_ns)
+            if wait is not None and request is not None:
+                self._received[req_id] = (wait, request)
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         # vLLM keeps the blocks of a request still waiting for remote KV until its receive is reported
         # finished, which DecodeWaits does only once no WRITE can land in them.
         req_id = request.request_id
         self._taken_over.discard(req_id)
-        self._decoding.pop(req_id, None)
+        self._receiving.pop(req_id, None)
+        self._received.pop(req_id, None)
+        first_step = self._first_steps.pop(req_id, None)
+        if first_step is not None and request.num_output_tokens:
+            # Its first step's token ended it: vLLM frees a finished request before update_connector_output.
+            self.spans.emit("d.first_decode_step", first_step[2], time.time_ns(), first_step[0].params)
         self.waits.aborted(req_id)
         return False, None
 

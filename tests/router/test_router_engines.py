@@ -226,6 +226,25 @@ def test_one_trace_joins_router_and_engine_spans(stack):
         assert ancestors(span)[-2:] == [leg, "router.request"], span["name"]
 
 
+def test_the_first_decode_step_span_holds_the_step_that_made_the_first_token(stack):
+    # It starts when D's first decode step is scheduled and ends when vLLM took that step's token; ending
+    # it when the step was scheduled (the mistake this guards against) left the forward out: then it
+    # lasted a fraction of a millisecond, while the step it stands for lasts about one inter-token gap.
+    trace_id = "6e1f0a9b8d7c6b5a4f3e2d1c0b9a8877"
+    streamed = stream_completions(stack["router"].url, stack["prompts"][2], MAX_TOKENS,
+                                  headers={"traceparent": f"00-{trace_id}-2233445566778899-01"})
+    assert_matches(stack["reference"][2], streamed)
+
+    def first_step():
+        spans = [s for s in read_spans(stack["traces"]) if s["trace_id"] == trace_id and s["name"] == "d.first_decode_step"]
+        return spans[0] if spans else None
+
+    span = wait_for(first_step, timeout=10.0, what="the request's d.first_decode_step span")
+    gaps = sorted(b - a for a, b in zip(streamed.token_times_s, streamed.token_times_s[1:]))
+    step_ms = (span["end_ns"] - span["start_ns"]) / 1e6
+    assert step_ms >= 0.3 * gaps[len(gaps) // 2] * 1000, (step_ms, gaps)
+
+
 def test_health_lists_both_engines(stack):
     status, report = get_json(stack["router"].url + "/health")
     assert status == 200 and report["status"] == "ok" and report["mode"] == "push"
