@@ -21,6 +21,10 @@ from kvpush.report.breakdown import SEGMENTS, percentile
 TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.5  # issue 9: against the better upstream mode
 TARGET_CPU_RATIO = 0.8  # engine CPU per request, kvpush over upstream push, on P and on D
 TARGET_HANDOFF_OVERHEAD_MS = 5.0
+# Issue 9: the hand-off kvpush owns (prefill end → WRITE posted → KV landed → D's first step starts), p50, at these points.
+TARGET_OWNED_HANDOFF_MS = 2.0
+OWNED_HANDOFF_INPUT_LEN = 256
+OWNED_HANDOFF_MAX_QPS = 4.0
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
@@ -75,6 +79,8 @@ def point_table(documents: Sequence[dict[str, Any]], modes: Sequence[str]) -> li
             if mode == "kvpush" and runs:
                 overhead = [d["summary"]["breakdown"]["rows"]["handoff_overhead"]["p50"] for d in runs if "breakdown" in d["summary"]]
                 row["modes"][mode]["handoff_overhead_p50_ms_per_iteration"] = overhead
+                owned = [d["summary"]["breakdown"]["rows"].get("owned_handoff", {}).get("p50") for d in runs if "breakdown" in d["summary"]]
+                row["modes"][mode]["owned_handoff_p50_ms_per_iteration"] = owned
         kv = row["modes"].get("kvpush", {})
         upstream = [row["modes"][m]["ttft_p50_ms"] for m in ("upstream-push", "pull") if m in row["modes"] and row["modes"][m]["ttft_p50_ms"] is not None]
         best_upstream = min(upstream) if upstream else None
@@ -190,6 +196,13 @@ def targets(rows: Sequence[dict[str, Any]], modes: Sequence[str]) -> dict[str, A
     over = sorted({(r["input_len"], r["output_len"], r["qps"]) for r, v in overheads if v > TARGET_HANDOFF_OVERHEAD_MS})
     verdict["handoff_overhead_p50"] = {"target_ms": TARGET_HANDOFF_OVERHEAD_MS, "met": not over and bool(overheads), "runs": len(overheads),
                                        "above_target_at": over}
+    judged = [(r, v) for r in rows if r["input_len"] == OWNED_HANDOFF_INPUT_LEN and r["qps"] <= OWNED_HANDOFF_MAX_QPS
+              for v in r["modes"]["kvpush"].get("owned_handoff_p50_ms_per_iteration", []) if v is not None]
+    verdict["owned_handoff_p50"] = {
+        "target_ms": TARGET_OWNED_HANDOFF_MS, "input_len": OWNED_HANDOFF_INPUT_LEN, "max_qps": OWNED_HANDOFF_MAX_QPS,
+        "met": bool(judged) and all(v <= TARGET_OWNED_HANDOFF_MS for _, v in judged),
+        "per_run": [(r["input_len"], r["output_len"], r["qps"], round(v, 2)) for r, v in judged],
+    }
     return verdict
 
 
@@ -295,6 +308,10 @@ def verdict_lines(verdict: dict[str, Any]) -> list[str]:
     overhead = verdict["handoff_overhead_p50"]
     lines.append(f"target: kvpush hand-off overhead p50 <= {overhead['target_ms']} ms: {met(overhead['met'])} "
                  f"(above it in {len(overhead['above_target_at'])} points of {overhead['runs']} runs' p50s)")
+    owned = verdict["owned_handoff_p50"]
+    lines.append(f"target: the hand-off kvpush owns (prefill end -> D's first decode step starts) p50 <= {owned['target_ms']} ms at "
+                 f"{owned['input_len']} tokens, QPS <= {owned['max_qps']:g}: {met(owned['met'])} "
+                 f"(per run (in, out, QPS, ms): {owned['per_run'] or 'no such run'})")
     return lines
 
 

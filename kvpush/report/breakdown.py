@@ -102,6 +102,12 @@ class RequestBreakdown:
         return None if None in (ttft, prefill, step) else ttft - prefill - step
 
     @property
+    def owned_handoff_ms(self) -> float | None:
+        """The hand-off kvpush owns: P's prefill end → D's first decode step starts (hand-off, WRITE transfer, D wait tail)."""
+        start, end = self.instants["p_computed"], self.instants["d_scheduled"]
+        return None if start is None or end is None else (end - start) / 1e6
+
+    @property
     def complete(self) -> bool:
         return all(value is not None for value in self.segments.values())
 
@@ -126,10 +132,11 @@ class Breakdown:
     excluded: dict[str, int]  # reason -> number of router.request spans left out
 
     def rows(self) -> list[Row]:
-        """One row per segment, then TTFT and the hand-off overhead (all in ms)."""
+        """One row per segment, then TTFT, the hand-off overhead and the hand-off kvpush owns (all in ms)."""
         rows = [_row(s.name, s.label, [r.segments[s.name] for r in self.requests]) for s in SEGMENTS]
         rows.append(_row("ttft", "TTFT", [r.ttft_ms for r in self.requests]))
         rows.append(_row("handoff_overhead", "hand-off overhead (TTFT − P prefill − D first step)", [r.handoff_overhead_ms for r in self.requests]))
+        rows.append(_row("owned_handoff", "kvpush's hand-off (prefill end → D's first step starts)", [r.owned_handoff_ms for r in self.requests]))
         return rows
 
     def detail_rows(self) -> list[Row]:

@@ -33,6 +33,8 @@ def test_segments_of_one_request_are_exact_and_add_up_to_ttft(tmp_path, collecto
     assert request.ttft_ms == pytest.approx(50.0)
     assert sum(request.segments.values()) == pytest.approx(request.ttft_ms)
     assert request.handoff_overhead_ms == pytest.approx(50.0 - 17.0 - 10.0)
+    owned = ("handoff", "write_transfer", "d_wait_tail")  # prefill end → D's first step starts
+    assert request.owned_handoff_ms == pytest.approx(sum(EXPECTED_SEGMENTS[name] for name in owned))
     assert (request.transfer_id, request.attempt, request.client_request_id, request.clamped) == ("t1", 1, "client-t1", False)
     assert request.complete
 

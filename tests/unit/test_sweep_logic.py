@@ -33,12 +33,13 @@ def test_workloads_are_reproducible_and_spread_the_checked_requests():
     assert requests_for(1.0, 12.0, 24) == 24
 
 
-def row(qps, kvpush, upstream_push, pull, tpot_ratio, overheads=(4.0,), sustained=True):
+def row(qps, kvpush, upstream_push, pull, tpot_ratio, overheads=(4.0,), sustained=True, owned=(1.5,), input_len=256):
     """One point_table row as the report builds it (pooled p50s per mode)."""
     ttfts = {"kvpush": kvpush, "upstream-push": upstream_push, "pull": pull}
     modes = {m: {"ttft_p50_ms": t, "sustained": sustained} for m, t in ttfts.items()}
     modes["kvpush"]["handoff_overhead_p50_ms_per_iteration"] = list(overheads)
-    return {"input_len": 256, "output_len": 16, "qps": qps, "modes": modes,
+    modes["kvpush"]["owned_handoff_p50_ms_per_iteration"] = list(owned)
+    return {"input_len": input_len, "output_len": 16, "qps": qps, "modes": modes,
             "ttft_ratio_best_upstream_over_kvpush": min(upstream_push, pull) / kvpush,
             "tpot_ratio_kvpush_over_upstream_push": tpot_ratio}
 
@@ -63,6 +64,16 @@ def test_targets_name_the_points_that_miss():
     assert high["per_series"][0]["highest_qps"] == 16
     assert verdict["tpot_no_worse_than_upstream_push"]["worse_at"] == [(256, 16, 1, 1.2)]
     assert verdict["handoff_overhead_p50"]["above_target_at"] == [(256, 16, 1)]
+
+
+def test_the_owned_hand_off_is_judged_at_256_tokens_up_to_qps_4_only():
+    rows = [row(1, 30.0, 33.0, 35.0, 0.9, owned=(1.2, 1.9)), row(4, 35.0, 40.0, 41.0, 0.9, owned=(1.8,)),
+            row(8, 40.0, 62.0, 60.0, 1.0, owned=(9.0,)), row(1, 90.0, 99.0, 98.0, 1.0, owned=(7.0,), input_len=1024)]
+    owned = targets(rows, MODES)["owned_handoff_p50"]
+    assert owned["met"] and owned["per_run"] == [(256, 16, 1, 1.2), (256, 16, 1, 1.9), (256, 16, 4, 1.8)]
+    rows[1] = row(4, 35.0, 40.0, 41.0, 0.9, owned=(1.8, 2.4))
+    assert not targets(rows, MODES)["owned_handoff_p50"]["met"]
+    assert not targets([row(8, 40.0, 62.0, 60.0, 1.0)], MODES)["owned_handoff_p50"]["met"]  # nothing judged: not met
 
 
 def test_targets_need_all_three_modes():
