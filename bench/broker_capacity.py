@@ -23,8 +23,9 @@ closed loop at maximum throughput. Each phase also reports the CPU time the
 server and the load generators spent per rendezvous, which bounds capacity
 whatever else the machine runs. Two ceilings are measured beside them: the
 broker core alone (no gRPC), and gRPC alone (a bare grpc.aio server on the
-same event loop answering the same messages, doing nothing else). Prints a table beside the target (issue 9:
->= 10,000/s per control-plane process with p99 <= 5 ms) and one JSON line.
+same event loop answering the same messages, doing nothing else). Prints a
+table beside the target (issue 9: >= 10,000/s per control-plane process
+with p99 <= 5 ms) and one JSON line.
 
 With `--shards N` the control plane is the scaled-out form instead
 (kvpush.localstack.scaled: a 3-member etcd cluster, one registrar replica,
