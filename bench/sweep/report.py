@@ -77,10 +77,9 @@ def point_table(documents: Sequence[dict[str, Any]], modes: Sequence[str]) -> li
                 "failed_requests": sum(d["summary"]["failed"] for d in runs),
             }
             if mode == "kvpush" and runs:
-                overhead = [d["summary"]["breakdown"]["rows"]["handoff_overhead"]["p50"] for d in runs if "breakdown" in d["summary"]]
-                row["modes"][mode]["handoff_overhead_p50_ms_per_iteration"] = overhead
-                owned = [d["summary"]["breakdown"]["rows"].get("owned_handoff", {}).get("p50") for d in runs if "breakdown" in d["summary"]]
-                row["modes"][mode]["owned_handoff_p50_ms_per_iteration"] = owned
+                for name in ("handoff_overhead", "owned_handoff"):
+                    row["modes"][mode][f"{name}_p50_ms_per_iteration"] = [
+                        d["summary"]["breakdown"]["rows"].get(name, {}).get("p50") for d in runs if "breakdown" in d["summary"]]
         kv = row["modes"].get("kvpush", {})
         upstream = [row["modes"][m]["ttft_p50_ms"] for m in ("upstream-push", "pull") if m in row["modes"] and row["modes"][m]["ttft_p50_ms"] is not None]
         best_upstream = min(upstream) if upstream else None
