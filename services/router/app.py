@@ -65,7 +65,8 @@ class Router:
 
     async def start(self, _app: web.Application | None = None) -> None:
         # No pool limit: the engines' own queues are the backpressure.
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), raise_for_status=False)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.config.engine_keepalive_s)
+        self.session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
         if self.config.mode == "push":
             client_config = ClientConfig(
                 target=self.config.control_plane,

@@ -57,6 +57,18 @@ class RouterConfig(Settings):
     connect_timeout_s: float = setting(
         5.0, flag="--connect-timeout", env="KVPUSH_ROUTER_CONNECT_TIMEOUT_S", convert=float, positive=True, help="seconds to open a connection to an engine"
     )
+    # engine_keepalive_s: an engine's server closes a connection idle for its own
+    # keep-alive (vLLM's uvicorn: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s); a request
+    # sent on it as that timer fires is lost (ServerDisconnectedError), so the
+    # router stops reusing a connection first.
+    engine_keepalive_s: float = setting(
+        4.0,
+        flag="--engine-keepalive",
+        env="KVPUSH_ROUTER_ENGINE_KEEPALIVE_S",
+        convert=float,
+        positive=True,
+        help="seconds an idle connection to an engine is reused; keep it below the engines' own keep-alive (vLLM: 5 s)",
+    )
     # prefill_timeout_s bounds the whole prefill leg (its response comes after one token).
     prefill_timeout_s: float = setting(
         60.0, flag="--prefill-timeout", env="KVPUSH_ROUTER_PREFILL_TIMEOUT_S", convert=float, positive=True, help="seconds the prefill leg may take"

@@ -47,19 +47,25 @@ class FakeEngine:
     "error-event-text" one whose "error" is just the message.
     """
 
-    def __init__(self, role: str, engine_id: str, behaviour: str = "ok", delay_s: float = 0.0, chunk_delay_s: float = 0.0):
+    def __init__(self, role: str, engine_id: str, behaviour: str = "ok", delay_s: float = 0.0, chunk_delay_s: float = 0.0,
+                 keepalive_s: float | None = None):
+        """keepalive_s: a request arriving on a connection idle this long is dropped unanswered and the connection closed,
+        which is what vLLM's server (uvicorn) does to a request that comes as its keep-alive timer fires, made certain."""
         self.role = role
         self.engine_id = engine_id
         self.behaviour = behaviour
         self.delay_s = delay_s
         self.chunk_delay_s = chunk_delay_s  # pause after each streamed chunk
+        self.keepalive_s = keepalive_s
         self.received: list[Received] = []
         self.disconnected = 0  # requests whose client went away before the answer
+        self.dropped = 0  # requests dropped on a connection past keepalive_s
+        self._answered_at: dict[Any, float] = {}  # connection (transport) -> loop time its last answer ended
         self._runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> FakeEngine:
-        app = web.Application()
+        app = web.Application(middlewares=[self._keepalive] if self.keepalive_s is not None else [])
         for path in ("/v1/completions", "/v1/chat/completions"):
             app.router.add_post(path, self._complete)
         app.router.add_get("/health", self._health)
@@ -69,6 +75,21 @@ class FakeEngine:
 
     async def stop(self) -> None:
         await self._runner.cleanup()
+
+    @web.middleware
+    async def _keepalive(self, request: web.Request, handler) -> web.StreamResponse:
+        loop, transport = asyncio.get_running_loop(), request.transport
+        answered_at = self._answered_at.get(transport)
+        if answered_at is not None and loop.time() - answered_at >= self.keepalive_s:
+            self.dropped += 1
+            transport.close()
+            raise asyncio.CancelledError  # aiohttp's handling of a request whose connection is gone
+        response = await handler(request)
+        if not response.prepared:
+            await response.prepare(request)
+        await response.write_eof()
+        self._answered_at[transport] = loop.time()
+        return response
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.Response()

@@ -383,3 +383,29 @@ async def test_health_models_metrics_and_bad_requests(plane, spans):
     assert unhealthy[0] == 503 and unhealthy[1]["status"] == "unavailable"
     assert 'kvpush_router_requests_total{path="/v1/completions",status="400"} 3.0' in metrics
     assert 'kvpush_router_legs_in_flight{engine_id="decode-0",role="decode",url="' + decode.url + '"} 0.0' in metrics
+
+
+@pytest.mark.parametrize(("router_keepalive_s", "expected"), [(0.2, [200, 200]), (5.0, [200, 502])])
+async def test_an_idle_connection_is_not_reused_once_the_engine_may_be_closing_it(spans, router_keepalive_s, expected):
+    """vLLM's server drops a request that comes on a connection as its keep-alive ends: the router's own keep-alive is shorter.
+
+    The fake decode engine drops every request on a connection idle 0.4 s;
+    the router may reuse an idle connection for engine_keepalive_s. Below
+    the engine's keep-alive, the second request after a 0.6 s gap goes on a
+    new connection; above it (aiohttp's default is 15 s), it is lost.
+    """
+    provider, _ = spans
+    prefill, decode = await started(FakeEngine("prefill", "prefill-0"), FakeEngine("decode", "decode-0", keepalive_s=0.4))
+    statuses, body = [], b""
+    try:
+        async with RouterUnderTest(make_config(None, [prefill], [decode], mode="pull", engine_keepalive_s=router_keepalive_s), provider) as router:
+            for _ in range(2):
+                status, body, _ = await router.post("/v1/completions", BODY)
+                statuses.append(status)
+                await asyncio.sleep(0.6)
+    finally:
+        await stop(prefill, decode)
+    assert statuses == expected, body
+    assert decode.dropped == expected.count(502)
+    if 502 in expected:
+        assert b"ServerDisconnectedError" in body
