@@ -16,6 +16,7 @@ The critical path is a chain of instants, each read from a span:
     kv_received       d.wait_for_kv end (latest decode rank: last notification)
     d_scheduled       d.first_decode_step start
     d_step_done       d.first_decode_step end
+    d_output_read     router.decode_leg's first_output event (the router read D's first output)
     first_token       router.request's first_token event
 
 and each segment is the time between two consecutive instants, so the
@@ -37,10 +38,11 @@ from typing import Any
 
 ROUTER_SPAN = "router.request"
 FIRST_TOKEN_EVENT = "first_token"
+DECODE_OUTPUT_EVENT = "first_output"
 ATTR_TRANSFER_ID = "kvpush.transfer_id"
 ATTR_ATTEMPT = "kvpush.attempt"
 
-INSTANTS = ("request", "p_arrival", "p_scheduled", "p_computed", "write_posted", "kv_received", "d_scheduled", "d_step_done", "first_token")
+INSTANTS = ("request", "p_arrival", "p_scheduled", "p_computed", "write_posted", "kv_received", "d_scheduled", "d_step_done", "d_output_read", "first_token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,8 @@ SEGMENTS: tuple[Segment, ...] = (
     Segment("write_transfer", "WRITE transfer (posted → last notification at D)", "write_posted", "kv_received"),
     Segment("d_wait_tail", "D wait tail (KV in → D scheduled)", "kv_received", "d_scheduled"),
     Segment("d_first_decode_step", "D first decode step", "d_scheduled", "d_step_done"),
-    Segment("router_overhead", "D output → client (API server + router)", "d_step_done", "first_token"),
+    Segment("d_output", "D output → router (D's engine core + API server)", "d_step_done", "d_output_read"),
+    Segment("router_overhead", "router → client (the router's relay)", "d_output_read", "first_token"),
 )
 
 # Measured spans shown beside the chain (not summed): what the hand-off and
@@ -161,9 +164,8 @@ def _row(name: str, label: str, values: Iterable[float | None]) -> Row:
     return Row(name, label, percentile(present, 50), percentile(present, 90), sum(present) / len(present), len(present))
 
 
-def _first_token_ns(span: dict[str, Any]) -> int | None:
-    times = [e["time_ns"] for e in span["events"] if e["name"] == FIRST_TOKEN_EVENT]
-    return min(times) if times else None
+def _event_ns(spans: Iterable[dict[str, Any]], event: str) -> int | None:
+    return min((e["time_ns"] for span in spans for e in span["events"] if e["name"] == event), default=None)
 
 
 def _request_instants(root: dict[str, Any], related: list[dict[str, Any]]) -> dict[str, int | None]:
@@ -186,7 +188,8 @@ def _request_instants(root: dict[str, Any], related: list[dict[str, Any]]) -> di
         "kv_received": latest_end("d.wait_for_kv"),
         "d_scheduled": earliest_start("d.first_decode_step"),
         "d_step_done": latest_end("d.first_decode_step"),
-        "first_token": _first_token_ns(root),
+        "d_output_read": _event_ns(by_name["router.decode_leg"], DECODE_OUTPUT_EVENT),
+        "first_token": _event_ns([root], FIRST_TOKEN_EVENT),
     }
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from kvpush.report.breakdown import SEGMENTS, Breakdown, RequestBreakdown, Row
 
 # One color per segment, in chain order (a qualitative palette readable on white).
-COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#9c755f")
+COLORS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#9c755f", "#ff9da7")
 SEGMENT_COLORS = dict(zip((s.name for s in SEGMENTS), COLORS))
 
 CHART_WIDTH = 760  # px of the bar area

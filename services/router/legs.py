@@ -174,6 +174,8 @@ class DecodeLeg:
                         message = error.get("message", error) if isinstance(error, dict) else error
                         raise LegFailure(DECODE, self.endpoint, "engine_error", f"the engine reported: {message}")
                     if isinstance(data, dict) and data.get("choices"):
+                        # Splits TTFT's "D output → client" into D's part and the router's (kvpush.report.breakdown).
+                        self.span.add_event("first_output")
                         return
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise failure_from_exception(DECODE, self.endpoint, exc, config.request_timeout_s) from exc

@@ -69,7 +69,8 @@ def routed_request(trace_id: str, transfer_id: str, *, offset_ms: float = 0.0, a
     """A push-mode request whose segments are known exactly (see EXPECTED_SEGMENTS, times `scale`d).
 
     Router span [0, 60] with its first token at 50; P queue [2, 3], prefill [3, 20], descriptor prep [21, 22],
-    WRITE post [22, 23], transfer at P [23, 30]; D waits [1, 28] and runs its first step [31, 41].
+    WRITE post [22, 23], transfer at P [23, 30]; D waits [1, 28] and runs its first step [31, 41]; the router reads D's
+    first output at 48.
     """
     def at(ms: float) -> float:
         return offset_ms + ms * scale
@@ -81,7 +82,8 @@ def routed_request(trace_id: str, transfer_id: str, *, offset_ms: float = 0.0, a
         span("router.request", trace_id, root_id, at(0), at(60), service="kvpush-router", kind=2, attributes=router_attributes,
              events={"first_token": at(50)} if streamed else None),
         span("router.prefill_leg", trace_id, "a" * 16, at(0), at(22), parent=root_id, service="kvpush-router", kind=3, attributes=key),
-        span("router.decode_leg", trace_id, "b" * 16, at(0), at(60), parent=root_id, service="kvpush-router", kind=3, attributes=key),
+        span("router.decode_leg", trace_id, "b" * 16, at(0), at(60), parent=root_id, service="kvpush-router", kind=3, attributes=key,
+             events={"first_output": at(48)} if streamed else None),
     ]
     for name, start, end in (("p.queue", 2, 3), ("p.prefill", 3, 20), ("p.descriptor_prep", 21, 22), ("p.write_post", 22, 23), ("p.write_transfer", 23, 30)):
         spans.append(span(name, trace_id, f"{len(spans):016x}", at(start), at(end), parent="a" * 16, service="kvpush-prefill", attributes=key))
@@ -93,6 +95,6 @@ def routed_request(trace_id: str, transfer_id: str, *, offset_ms: float = 0.0, a
 
 EXPECTED_SEGMENTS = {
     "router_to_p": 2.0, "p_queue": 1.0, "p_prefill": 17.0, "handoff": 3.0, "write_transfer": 5.0,
-    "d_wait_tail": 3.0, "d_first_decode_step": 10.0, "router_overhead": 9.0,
+    "d_wait_tail": 3.0, "d_first_decode_step": 10.0, "d_output": 7.0, "router_overhead": 2.0,
 }
 EXPECTED_DETAILS = {"descriptor_prep": 1.0, "write_post": 1.0, "p_write_transfer": 7.0, "d_register": 1.0, "broker_rendezvous": 19.0}

@@ -51,7 +51,7 @@ class ElementCounter(HTMLParser):
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    """A report of four requests: three complete, one not streamed (no TTFT, so no router-overhead bar)."""
+    """A report of four requests: three complete, one not streamed (no first output read nor TTFT: no D-output or router bar)."""
     work = tmp_path_factory.mktemp("report")
     spans = [item for i, trace_id in enumerate(TRACE_IDS) for item in routed_request(trace_id, f"t{i}", offset_ms=100 * i, scale=1 + i, streamed=i != 3)]
     result = breakdown(read_spans(write_trace_file(work / "traces.jsonl", spans)))
@@ -79,7 +79,7 @@ def test_chromium_dom_has_every_bar(report):
     counter = ElementCounter()
     counter.feed(dom)
     present = sum(value is not None for r in result.requests for value in r.segments.values())
-    assert present == 3 * len(SEGMENTS) + len(SEGMENTS) - 1
+    assert present == 3 * len(SEGMENTS) + len(SEGMENTS) - 2
     assert counter.counts[("svg", "chart")] == 1 + len(result.requests)
     assert counter.counts[("rect", "segment")] == present
     assert counter.counts[("svg", "waterfall")] == len(result.requests)
