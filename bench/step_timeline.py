@@ -18,6 +18,12 @@ the engine core's schedule → output into:
 
 and prints p50 and mean of each, per run, with the run's output tokens per
 model step (on D, its mean batch: the step time, and so TPOT, follows it).
+Then the steps that ran no model (on D: while its requests wait for their KV,
+vLLM's engine core steps every 1 ms; a connector may hold such a step in
+its worker): how many per completed request, how long each took, and how
+long of it the engine core waited for the worker's answer. vLLM's engine
+core spins on that answer (`sched_yield`, up to `--vllm-spin-ms`), so a
+worker that sleeps in an idle step keeps its engine core on the CPU.
 The engine core and worker are told apart by what they recorded; one worker
 per engine (TP 1).
 """
@@ -111,6 +117,17 @@ def forward_steps_spans(core: Calls, worker: Calls, window: tuple[float, float])
     return [(schedule[1], forward[0], update[1]) for schedule, forward, _, _, _, update in _model_steps(core, worker, window)]
 
 
+def idle_steps(core: Calls, window: tuple[float, float]) -> list[dict[str, float]]:
+    """Each step in `window` that ran no model (no sample_tokens call): its length and the engine core's wait for the worker (ms)."""
+    steps = []
+    for step_start, step_end in _within(core.get("core.step", []), *window):
+        if _within(core.get("core.sample_tokens", []), step_start, step_end):
+            continue
+        waits = _within(core.get("core.wait_execute_model", []), step_start, step_end)
+        steps.append({"step": (step_end - step_start) * 1000, "wait_worker": sum(end - start for start, end in waits) * 1000})
+    return steps
+
+
 def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
     return {"steps": len(steps), **{part: {"p50": statistics.median(s[part] for s in steps), "mean": statistics.mean(s[part] for s in steps)}
                                     for part in PARTS if steps}}
@@ -134,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         # On D every output token comes from a model step: this is its mean batch, which its step time (and TPOT) follows.
         tokens = sum(request.get("output_tokens", 0) for request in run.get("requests", []))
         row["tokens_per_step"] = round(tokens / row["steps"], 2) if row["steps"] else None
+        idle = idle_steps(core, tuple(run["monotonic_window_s"]))
+        completed = sum(1 for request in run.get("requests", []) if not request.get("error"))
+        row["idle"] = {
+            "steps": len(idle),
+            "per_request": round(len(idle) / completed, 1) if completed else None,
+            **({part: {"p50": statistics.median(s[part] for s in idle), "per_request": sum(s[part] for s in idle) / completed}
+                for part in ("step", "wait_worker")} if idle and completed else {}),
+        }
         table[run["run"]] = row
     if not table:
         parser.error(f"no run with a recorded window in {args.results_dir}")
@@ -143,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(f"{row[p]['p50']:>11.2f} /{row[p]['mean']:>7.2f}" if p in row else f"{'-':>20}" for p in PARTS)
         per_step = "-" if row["tokens_per_step"] is None else f"{row['tokens_per_step']:.2f}"
         print(f"{name:<44}{row['steps']:>6}{per_step:>12}{cells}")
+    print(f"\n{args.engine}'s steps that ran no model: per completed request, and ms (p50 per step / sum per request)")
+    print(f"{'run':<44}{'steps':>6}{'per request':>12}{'step':>20}{'engine core waits for worker':>32}")
+    for name, row in table.items():
+        idle = row["idle"]
+        cells = "".join(f"{idle[p]['p50']:>11.2f} /{idle[p]['per_request']:>7.1f}" if p in idle else f"{'-':>20}" for p in ("step", "wait_worker"))
+        print(f"{name:<44}{idle['steps']:>6}{idle['per_request'] if idle['per_request'] is not None else '-':>12}{cells:>52}")
     (args.results_dir / f"step-timeline-{args.engine}.json").write_text(json.dumps(table, indent=1))
     return 0
 

@@ -21,7 +21,8 @@ def one_engine(folder, t):
     """A step that ran the model at t (seconds), and an idle step after it."""
     write(folder, 1, [("core.step", t, t + 0.060), ("core.schedule", t, t + 0.001), ("core.wait_execute_model", t + 0.001, t + 0.047),
                       ("core.sample_tokens", t + 0.047, t + 0.050), ("core.update_from_output", t + 0.0505, t + 0.052),
-                      ("core.step", t + 0.1, t + 0.101), ("core.schedule", t + 0.1, t + 0.1002), ("core.update_from_output", t + 0.1005, t + 0.1008)])
+                      ("core.step", t + 0.1, t + 0.101), ("core.schedule", t + 0.1, t + 0.1002), ("core.wait_execute_model", t + 0.1002, t + 0.1006),
+                      ("core.update_from_output", t + 0.1006, t + 0.1008)])
     write(folder, 2, [("worker.execute_model", t + 0.002, t + 0.046), ("worker.model_forward", t + 0.004, t + 0.040),
                       ("worker.sample_tokens", t + 0.0475, t + 0.0495), ("worker.execute_model", t + 0.1003, t + 0.1004)])
 
@@ -47,6 +48,9 @@ def test_the_report_reads_each_runs_window_and_engine(tmp_path, capsys):
     assert table["kvpush_qps1_in256_out16_iter1"]["steps"] == 1
     assert table["kvpush_qps1_in256_out16_iter1"]["model_forward"]["p50"] == pytest.approx(36.0)
     assert table["kvpush_qps1_in256_out16_iter1"]["tokens_per_step"] == 5.0  # 5 output tokens over its one model step
+    idle = table["kvpush_qps1_in256_out16_iter1"]["idle"]  # one idle step of 1 ms, 0.4 ms of it waiting for the worker; 2 completed
+    assert (idle["steps"], idle["per_request"]) == (1, 0.5)
+    assert idle["step"]["p50"] == pytest.approx(1.0) and idle["wait_worker"]["per_request"] == pytest.approx(0.2)
     with pytest.raises(ValueError, match="no engine core"):
         main([str(tmp_path), "--engine", "D"])
 
