@@ -36,11 +36,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvpush.telemetry import ATTR_ATTEMPT, ATTR_TRANSFER_ID, FIRST_OUTPUT_EVENT, FIRST_TOKEN_EVENT
+
 ROUTER_SPAN = "router.request"
-FIRST_TOKEN_EVENT = "first_token"
-DECODE_OUTPUT_EVENT = "first_output"
-ATTR_TRANSFER_ID = "kvpush.transfer_id"
-ATTR_ATTEMPT = "kvpush.attempt"
 
 INSTANTS = ("request", "p_arrival", "p_scheduled", "p_computed", "write_posted", "kv_received", "d_scheduled", "d_step_done", "d_output_read", "first_token")
 
@@ -188,7 +186,7 @@ def _request_instants(root: dict[str, Any], related: list[dict[str, Any]]) -> di
         "kv_received": latest_end("d.wait_for_kv"),
         "d_scheduled": earliest_start("d.first_decode_step"),
         "d_step_done": latest_end("d.first_decode_step"),
-        "d_output_read": _event_ns(by_name["router.decode_leg"], DECODE_OUTPUT_EVENT),
+        "d_output_read": _event_ns(by_name["router.decode_leg"], FIRST_OUTPUT_EVENT),
         "first_token": _event_ns([root], FIRST_TOKEN_EVENT),
     }
 

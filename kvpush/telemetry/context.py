@@ -13,6 +13,9 @@ ATTR_TRANSFER_ID = "kvpush.transfer_id"
 ATTR_ATTEMPT = "kvpush.attempt"
 ATTR_ENGINE_ID = "kvpush.engine_id"
 ATTR_CLIENT_REQUEST_ID = "kvpush.client_request_id"
+# The router's span events that mark TTFT's last instants (kvpush.report.breakdown reads them).
+FIRST_OUTPUT_EVENT = "first_output"  # on router.decode_leg: the router read D's first output
+FIRST_TOKEN_EVENT = "first_token"  # on router.request: the router sent the client its first chunk
 
 
 def inject_traceparent(context: Context | None = None) -> dict[str, str]:

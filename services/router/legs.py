@@ -19,7 +19,7 @@ from kvpush.services.router.core import Endpoint
 from kvpush.services.router.failures import LegFailure, failure_from_exception, status_failure
 from kvpush.services.router.shard_watch import Owner
 from kvpush.sse import DONE, SseDecoder
-from kvpush.telemetry import ATTR_ATTEMPT, ATTR_CLIENT_REQUEST_ID, ATTR_TRANSFER_ID, inject_traceparent
+from kvpush.telemetry import ATTR_ATTEMPT, ATTR_CLIENT_REQUEST_ID, ATTR_TRANSFER_ID, FIRST_OUTPUT_EVENT, inject_traceparent
 
 if TYPE_CHECKING:
     from kvpush.services.router.app import Router
@@ -175,7 +175,7 @@ class DecodeLeg:
                         raise LegFailure(DECODE, self.endpoint, "engine_error", f"the engine reported: {message}")
                     if isinstance(data, dict) and data.get("choices"):
                         # Splits TTFT's "D output → client" into D's part and the router's (kvpush.report.breakdown).
-                        self.span.add_event("first_output")
+                        self.span.add_event(FIRST_OUTPUT_EVENT)
                         return
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise failure_from_exception(DECODE, self.endpoint, exc, config.request_timeout_s) from exc

@@ -22,6 +22,7 @@ from kvpush.services.router.core import CLIENT_GONE, OUTPUT_BROKE_OFF
 from kvpush.services.router.failures import LegFailure, error_body
 from kvpush.services.router.legs import DECODE, PREFILL, Opened, RequestContext
 from kvpush.sse import DONE
+from kvpush.telemetry import FIRST_TOKEN_EVENT
 
 if TYPE_CHECKING:
     from kvpush.services.router.app import Router
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 def _record_first_output(router: Router, ctx: RequestContext) -> None:
     ttft_s = time.monotonic() - ctx.started
-    ctx.span.add_event("first_token")
+    ctx.span.add_event(FIRST_TOKEN_EVENT)
     ctx.span.set_attribute("kvpush.ttft_ms", ttft_s * 1000)
     router.metrics.ttft.observe(ttft_s)
     if ctx.prefill_answered:
