@@ -24,6 +24,12 @@ its worker): how many per completed request, how long each took, and how
 long of it the engine core waited for the worker's answer. vLLM's engine
 core spins on that answer (`sched_yield`, up to `--vllm-spin-ms`), so a
 worker that sleeps in an idle step keeps its engine core on the CPU.
+With `--engine D` and kvpush's spans (the run's breakdown keeps each
+request's "KV in" and "D scheduled" instants), a third table takes D's wait
+tail apart at the engine steps around it: how long the step the KV was seen
+in still ran, of an idle step how much of that was kvpush's worker ending the
+step and how much vLLM's answer path, then vLLM's loop to the next schedule
+(it sleeps 1 ms after a step that ran no model) and that schedule.
 The engine core and worker are told apart by what they recorded; one worker
 per engine (TP 1).
 """
@@ -128,6 +134,66 @@ def idle_steps(core: Calls, window: tuple[float, float]) -> list[dict[str, float
     return steps
 
 
+WAIT_TAIL_PARTS = ("worker_answers", "answer_to_core", "output", "rest_of_step", "loop", "to_scheduled", "tail")
+
+
+def wait_tail_parts(core: Calls, worker: Calls, tails: list[list[float]]) -> list[dict[str, Any]]:
+    """Each D wait tail (KV in at D, D scheduled; CLOCK_MONOTONIC s) split at the engine steps around it (ms).
+
+    `seen_in` is the step the KV was seen in: "idle" (a step that ran no model,
+    which kvpush's worker holds until the KV lands), "model" (a step whose
+    forward was running: the consumer thread saw it) or "between" (between two
+    steps, or after an idle step's answer had left the worker: a later step
+    reports it). Parts:
+
+        rest_of_step    KV in → that step ends (0 outside a step); of an idle step:
+          worker_answers      KV in → the worker's execute_model returns (kvpush's connector ends the held step)
+          answer_to_core      → the engine core has the answer (vLLM's queue)
+          output              → the step ends (vLLM's update_from_output)
+        loop            → the next schedule() starts (vLLM sleeps 1 ms after a step that ran no model)
+        to_scheduled    → D scheduled the request (its schedule(), or later ones if that one did not take it)
+    """
+    steps = core.get("core.step", [])
+    starts = [start for start, _ in steps]
+    schedules = core.get("core.schedule", [])
+    schedule_starts = [start for start, _ in schedules]
+    result = []
+    for kv_in, scheduled in tails:
+        i = bisect.bisect_right(starts, kv_in) - 1
+        step = steps[i] if i >= 0 and kv_in <= steps[i][1] else None
+        after = step[1] if step is not None else kv_in
+        j = bisect.bisect_left(schedule_starts, after)
+        if j == len(schedules) or schedules[j][0] > scheduled:
+            continue  # the timeline ends before it, or the request's step is not in it
+        parts: dict[str, Any] = {"seen_in": "between", "rest_of_step": 0.0, "loop": schedules[j][0] - after,
+                                 "to_scheduled": scheduled - schedules[j][0], "tail": scheduled - kv_in}
+        if step is not None:
+            model = bool(_within(core.get("core.sample_tokens", []), *step))
+            parts["rest_of_step"] = step[1] - kv_in
+            answered = _within(core.get("core.wait_execute_model", []), *step)
+            # The worker's answer to this step: it may have begun after the KV was seen (by the consumer thread).
+            executed = [e for e in worker.get("worker.execute_model", []) if kv_in <= e[1] <= step[1]]
+            if model:
+                parts["seen_in"] = "model"
+            elif answered and executed:
+                parts |= {"seen_in": "idle", "worker_answers": executed[0][1] - kv_in, "answer_to_core": answered[-1][1] - executed[0][1],
+                          "output": step[1] - answered[-1][1]}
+            # else: seen after the idle step's answer left the worker, so a later step reports it ("between")
+        result.append({k: v * 1000 if isinstance(v, float) else v for k, v in parts.items()})
+    return result
+
+
+def summarize_wait_tails(tails: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per kind of step the KV was seen in: how many, and p50 of each part (ms)."""
+    table: dict[str, Any] = {}
+    for kind in ("idle", "model", "between"):
+        of_kind = [t for t in tails if t["seen_in"] == kind]
+        if of_kind:
+            table[kind] = {"requests": len(of_kind),
+                           **{part: statistics.median(t[part] for t in of_kind) for part in WAIT_TAIL_PARTS if part in of_kind[0]}}
+    return table
+
+
 def summarize(steps: list[dict[str, float]]) -> dict[str, Any]:
     return {"steps": len(steps), **{part: {"p50": statistics.median(s[part] for s in steps), "mean": statistics.mean(s[part] for s in steps)}
                                     for part in PARTS if steps}}
@@ -159,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             **({part: {"p50": statistics.median(s[part] for s in idle), "per_request": sum(s[part] for s in idle) / completed}
                 for part in ("step", "wait_worker")} if idle and completed else {}),
         }
+        tails = run.get("summary", {}).get("breakdown", {}).get("d_wait_tails_monotonic_s")
+        if args.engine == "D" and tails:
+            row["wait_tail"] = summarize_wait_tails(wait_tail_parts(core, worker, tails))
         table[run["run"]] = row
     if not table:
         parser.error(f"no run with a recorded window in {args.results_dir}")
@@ -174,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         idle = row["idle"]
         cells = "".join(f"{idle[p]['p50']:>11.2f} /{idle[p]['per_request']:>7.1f}" if p in idle else f"{'-':>20}" for p in ("step", "wait_worker"))
         print(f"{name:<44}{idle['steps']:>6}{idle['per_request'] if idle['per_request'] is not None else '-':>12}{cells:>52}")
+    if any("wait_tail" in row for row in table.values()):
+        print("\nD's wait tail (KV in -> D scheduled) by the step the KV was seen in: requests, and p50 ms of each part "
+              "(worker_answers, answer_to_core and output split an idle step's rest)")
+        print(f"{'run':<44}{'seen in':>9}{'requests':>9}" + "".join(f"{p:>15}" for p in WAIT_TAIL_PARTS))
+        for name, row in table.items():
+            for kind, parts in row.get("wait_tail", {}).items():
+                cells = "".join(f"{parts[p]:>15.2f}" if p in parts else f"{'-':>15}" for p in WAIT_TAIL_PARTS)
+                print(f"{name:<44}{kind:>9}{parts['requests']:>9}{cells}")
     (args.results_dir / f"step-timeline-{args.engine}.json").write_text(json.dumps(table, indent=1))
     return 0
 

@@ -120,12 +120,19 @@ def thread_breakdown(before: dict[str, float], after: dict[str, float], complete
     return dict(sorted(((n, round(ms, 2)) for n, ms in used.items() if ms >= 0.5), key=lambda item: -item[1]))
 
 
-def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
-    """kvpush.report's per-segment breakdown of the run (p50/p90/mean per segment, ms)."""
+def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str, wall_minus_monotonic_ns: int) -> dict[str, Any]:
+    """kvpush.report's per-segment breakdown of the run (p50/p90/mean per segment, ms), and each request's D wait tail on CLOCK_MONOTONIC.
+
+    The wait tails (KV in at D, D scheduled; seconds) are where
+    `bench.step_timeline` finds the engine steps each one spans; spans carry
+    wall-clock times, the step timeline CLOCK_MONOTONIC.
+    """
     result = breakdown(spans, request_id_prefix=prefix)
     rows = {row.name: {"p50": row.p50, "p90": row.p90, "mean": row.mean, "n": row.count} for row in result.rows() + result.detail_rows()}
+    tails = [[(r.instants["kv_received"] - wall_minus_monotonic_ns) / 1e9, (r.instants["d_scheduled"] - wall_minus_monotonic_ns) / 1e9]
+             for r in result.requests if r.instants["kv_received"] is not None and r.instants["d_scheduled"] is not None]
     return {"requests": len(result.requests), "complete": sum(r.complete for r in result.requests), "excluded": result.excluded,
-            "clamped": sum(r.clamped for r in result.requests), "rows": rows}
+            "clamped": sum(r.clamped for r in result.requests), "rows": rows, "d_wait_tails_monotonic_s": tails}
 
 
 def kvpush_kv_check(stack: ModeStack, spans: list[dict[str, Any]], prefix: str, point: Point) -> dict[str, Any]:

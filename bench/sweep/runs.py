@@ -51,6 +51,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     profilers = start_profilers(stack, args.profile, point.run_name(mode)) if args.profile else []
     offcpu = start_offcpu(list(stacks), stack, args.results_dir / "offcpu", point.run_name(mode)) if args.offcpu else None
     started = time.monotonic()
+    wall_minus_monotonic_ns = time.time_ns() - time.monotonic_ns()
     records, wall = asyncio.run(run_load(stack.router_url, workload, mode, args.request_timeout, done))
     ended = time.monotonic()
     stop_offcpu(offcpu)
@@ -87,7 +88,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     if mode == "kvpush":
         summary["kv_bytes"] = kvpush_kv_check(stack, spans, prefix, point)
         if engine_spans:
-            summary["breakdown"] = kvpush_breakdown(spans, prefix)
+            summary["breakdown"] = kvpush_breakdown(spans, prefix, wall_minus_monotonic_ns)
     else:
         summary["kv_bytes"] = upstream_kv_check(engines, len(records), point)
     return {
