@@ -15,6 +15,7 @@ from bench.sweep.stacks import ModeStack
 from kvpush.localstack.control_plane import ControlPlaneHandle
 from kvpush.localstack.metrics import scrape_metrics
 from kvpush.report.breakdown import breakdown
+from kvpush.telemetry import FIRST_TOKEN_EVENT
 
 # Tiny-model geometry (kvpush.tinymodel): 2 layers × K and V × 2 KV heads × 64
 # channels × 4 bytes (float32) per token; vLLM CPU's block size.
@@ -98,7 +99,7 @@ def router_segments(spans: list[dict[str, Any]], prefix: str) -> dict[str, dict[
         attempt = int(root["attributes"].get("kvpush.attempt", 0))
         legs = {s["name"]: s for s in by_trace[root["trace_id"]] if s["name"] in ("router.prefill_leg", "router.decode_leg")
                 and int(s["attributes"].get("kvpush.attempt", attempt)) == attempt}
-        first = [e["time_ns"] for e in root["events"] if e["name"] == "first_token"]
+        first = [e["time_ns"] for e in root["events"] if e["name"] == FIRST_TOKEN_EVENT]
         prefill = legs.get("router.prefill_leg")
         decode = legs.get("router.decode_leg")
         ttft = (first[0] - root["start_ns"]) / 1e6 if first else None
