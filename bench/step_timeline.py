@@ -172,7 +172,7 @@ def wait_tail_parts(core: Calls, worker: Calls, tails: list[list[float]]) -> lis
             parts["rest_of_step"] = step[1] - kv_in
             answered = _within(core.get("core.wait_execute_model", []), *step)
             # The worker's answer to this step: it may have begun after the KV was seen (by the consumer thread).
-            executed = [e for e in worker.get("worker.execute_model", []) if kv_in <= e[1] <= step[1]]
+            executed = [e for e in _within(worker.get("worker.execute_model", []), *step) if kv_in <= e[1] <= step[1]]
             if model:
                 parts["seen_in"] = "model"
             elif answered and executed:

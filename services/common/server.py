@@ -154,7 +154,8 @@ def announce(name: str, config: ServerConfig, port: int, metrics_port: int | Non
 # rendezvous/s, over a hundred thousand), so each one paused the control plane
 # ~150 ms on this machine, several times a minute, past any p99 it answers in.
 # Ten times fewer full collections; the cyclic garbage they would free is
-# freed later, not lost (see docs/benchmarks.md, "Rendezvous per second").
+# freed later, not lost (docs/benchmarks.md, "The control plane's garbage
+# collector").
 FULL_COLLECTION_EVERY = 100  # generation-1 collections (CPython's default: 10)
 
 
