@@ -36,10 +36,10 @@ def test_workloads_are_reproducible_and_spread_the_checked_requests():
 def row(qps, kvpush, upstream_push, pull, tpot_ratio, overheads=(4.0,), sustained=True, owned=(1.5,), input_len=256):
     """One point_table row as the report builds it (pooled p50s per mode)."""
     ttfts = {"kvpush": kvpush, "upstream-push": upstream_push, "pull": pull}
-    modes = {m: {"ttft_p50_ms": t, "sustained": sustained} for m, t in ttfts.items()}
+    modes = {m: {"ttft_p50_ms": t, "tpot_p50_ms": 8.0, "sustained": sustained} for m, t in ttfts.items()}
     modes["kvpush"]["handoff_overhead_p50_ms_per_iteration"] = list(overheads)
     modes["kvpush"]["owned_handoff_p50_ms_per_iteration"] = list(owned)
-    return {"input_len": input_len, "output_len": 16, "qps": qps, "modes": modes,
+    return {"input_len": input_len, "output_len": 16, "qps": qps, "modes": modes, "best_upstream_ttft_p50_ms": min(upstream_push, pull),
             "ttft_ratio_best_upstream_over_kvpush": min(upstream_push, pull) / kvpush,
             "tpot_ratio_kvpush_over_upstream_push": tpot_ratio}
 
@@ -86,7 +86,7 @@ def side(qps, mode, p_ms, d_ms):
 
 def test_cpu_target_compares_kvpush_with_upstream_push_on_each_engine():
     met = cpu_verdict([side(1, "kvpush", 40.0, 80.0), side(1, "upstream-push", 100.0, 100.0), side(1, "pull", 1.0, 1.0)])
-    assert met["met"] and met["ratios"] == [{"point": (256, 16, 1), "p": 0.4, "d": 0.8}]
+    assert met["met"] and [{k: r[k] for k in ("point", "p", "d")} for r in met["ratios"]] == [{"point": (256, 16, 1), "p": 0.4, "d": 0.8}]
     missed = cpu_verdict([side(1, "kvpush", 40.0, 81.0), side(1, "upstream-push", 100.0, 100.0)])
     assert not missed["met"] and missed["ratios"][0]["d"] == 0.81
     assert not cpu_verdict([side(1, "kvpush", 40.0, 80.0)])["met"]  # nothing to compare with
@@ -100,3 +100,29 @@ def test_thread_cpu_is_listed_per_iteration_for_each_engine():
                                 "P": {"python/python": [10.0]}}
     waits = [{"thread_runqueue_wait_ms_per_request": {"P": {"VLLM::Worker/VLLM::Worker": 40.8}}}, runs[0]]
     assert per_thread(waits, "thread_runqueue_wait_ms_per_request") == {"P": {"VLLM::Worker/VLLM::Worker": [40.8]}}
+
+
+def outside(mode, p_leg, after, qps=8):
+    return {"input_len": 256, "output_len": 16, "qps": qps, "mode": mode, "p_leg_p50_ms": p_leg, "after_p_leg_p50_ms": after}
+
+
+def test_the_high_load_ratio_is_bounded_by_the_shortest_p_leg_of_any_mode():
+    rows = [row(1, 30.0, 33.0, 35.0, 0.9), row(8, 50.0, 70.0, 60.0, 1.0)]
+    side_rows = [outside("kvpush", 45.0, 5.0), outside("upstream-push", 42.0, 28.0), outside("pull", 40.0, 20.0),
+                 outside("kvpush", 1.0, 1.0, qps=1)]  # another point's legs are not read
+    top = targets(rows, MODES, side_rows)["ttft_ratio_at_high_load"]["per_series"][0]
+    # Better upstream TTFT 60 ms; the shortest P leg is pull's 40 ms; kvpush's 5 ms after its P leg, its decode step 8 ms (row()).
+    assert top["shortest_p_leg_mode"] == "pull" and top["shortest_p_leg_ms"] == 40.0 and top["kvpush_after_p_leg_ms"] == 5.0
+    assert top["bound_with_shortest_p_leg"] == 60.0 / 45.0 and top["bound_with_one_decode_step_after_it"] == 60.0 / 48.0
+    assert "bound_with_shortest_p_leg" not in targets(rows, MODES)["ttft_ratio_at_high_load"]["per_series"][0]  # no outside view
+
+
+def test_the_cpu_bound_takes_kvpush_s_own_threads_out_of_its_engines():
+    kv = side(1, "kvpush", 50.0, 100.0) | {"runs": 2, "thread_cpu_ms_per_request": {
+        "P": {"VLLM::Worker/kvpush-producer": [4.0, 2.0], "VLLM::Worker/event_engine": [2.0], "VLLM::Worker/VLLM::Worker": [40.0, 40.0]},
+        "D": {"VLLM::Worker/VLLM::Worker": [90.0, 90.0]}}}
+    verdict = cpu_verdict([kv, side(1, "upstream-push", 50.0, 100.0)])
+    # P: (4 + 2 + 2) / 2 runs = 4 ms per request of kvpush's threads, so (50 - 4) / 50; D has none of them.
+    assert verdict["ratios"][0]["p"] == 1.0 and verdict["ratios"][0]["p_without_kvpush_threads"] == 46.0 / 50.0
+    assert verdict["ratios"][0]["d_without_kvpush_threads"] == 1.0
+    assert cpu_verdict([side(1, "kvpush", 50.0, 100.0), side(1, "upstream-push", 50.0, 100.0)])["ratios"][0]["p_without_kvpush_threads"] is None
