@@ -83,8 +83,8 @@ CALL_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0  # for the order streams to open
 SERVER_CPU = 0  # --pin: the control plane's CPU
 BARRIER_TIMEOUT_S = 120.0  # one phase with its drain, or the load processes' start
-TRANSFER_TIMEOUT_S = 300.0  # no attempt may expire while the benchmark runs
 TOKENS = 256
+TRANSFER_TIMEOUT_S = 300.0  # by default no attempt expires while the benchmark runs
 FLOOR_SERVICE = "kvpush.bench.Floor"  # the bare server of transport_floor
 FLOOR_MESSAGES = 5_000
 
@@ -289,6 +289,9 @@ class Bench:
         self.errors: collections.Counter[str] = collections.Counter()
         self.sequence = 0
         self.streams = False  # --transport streams
+        self.answer_orders = False  # --answer-orders
+        self.transfer_timeout_s = TRANSFER_TIMEOUT_S  # --transfer-timeout
+        self.answering: set[asyncio.Task] = set()
 
     def owner(self, transfer_id: str) -> Shard:
         """The shard that owns transfer_id (the only one, unsharded)."""
@@ -328,6 +331,23 @@ class Bench:
             if started is not None:
                 self.latencies.append(arrived - started)
                 self.delivered += 1
+            if self.answer_orders:
+                task = asyncio.create_task(self.answer(shard, engine_id, message.order.key))
+                self.answering.add(task)
+                task.add_done_callback(self.answering.discard)
+
+    async def answer(self, shard: Shard, engine_id: str, key: tr_pb.TransferKey) -> None:
+        """The producer's write result for an order, as the connector reports a posted WRITE: the broker settles the attempt."""
+        request = sample.write_result_request(key.transfer_id, key.attempt, engine_id=engine_id)
+        try:
+            if self.streams:
+                await shard.senders[engine_id].send("write_results", request)
+            else:
+                await shard.stub.ReportWriteResult(request, metadata=self.metadata[engine_id], timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self.errors[f"write result {exc.code().name}"] += 1
+        except KvpushError as exc:
+            self.errors[f"write result {exc.code}"] += 1
 
     def requests(self) -> tuple[str, rv_pb.RegisterDestinationRequest, rv_pb.ReportPrefillDoneRequest, tuple[str, str]]:
         self.sequence += 1
@@ -335,8 +355,8 @@ class Bench:
         transfer_id = f"b{self.part}-{self.sequence}"
         first_block = (self.sequence * 16) % 99_000
         engines = {"prefill_engine_id": pair[0], "decode_engine_id": pair[1]}
-        destination = sample.destination_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S, **engines)
-        prefill_done = sample.prefill_done_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=TRANSFER_TIMEOUT_S, **engines)
+        destination = sample.destination_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=self.transfer_timeout_s, **engines)
+        prefill_done = sample.prefill_done_request(transfer_id, num_tokens=TOKENS, first_block=first_block, timeout_s=self.transfer_timeout_s, **engines)
         return transfer_id, destination, prefill_done, pair
 
     async def send(self, engine_id: str, kind: str, request, on_sent: Callable[[], None] | None) -> None:
@@ -446,6 +466,7 @@ async def drive(args: argparse.Namespace, part: int, registrar: str, members: di
         shards = [Shard(member_id, address, channel) for (member_id, address), channel in zip(members.items(), channels[1:], strict=True)]
         bench = Bench(channels[0], shards, tokens, pairs, part)
         await bench.register_engines()
+        bench.answer_orders, bench.transfer_timeout_s = args.answer_orders, args.transfer_timeout
         if args.transport == "streams":
             bench.streams = True
             for shard in shards:
@@ -635,6 +656,10 @@ def main() -> int:
                         help="streams: each engine sends what one step produced in one message every this many ms (0: each item at once)")
     parser.add_argument("--load-processes", type=int, default=1, help="load generator processes sharing the engines, rate and callers")
     parser.add_argument("--pin", action="store_true", help="the control plane on CPU 0, the load processes on the other CPUs")
+    parser.add_argument("--answer-orders", action="store_true",
+                        help="each order is answered with its write result, as a producer does, so attempts settle and retention fills")
+    parser.add_argument("--transfer-timeout", type=float, default=TRANSFER_TIMEOUT_S,
+                        help="each transfer's timeout in seconds; the broker holds an attempt at least this long (its deadline timer)")
     parser.add_argument("--keep-otel-env", action="store_true", help="pass OTEL_* variables on to the control plane")
     args = parser.parse_args()
     if args.engines < args.load_processes or args.load_processes < 1:

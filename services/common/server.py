@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -150,25 +151,36 @@ def announce(name: str, config: ServerConfig, port: int, metrics_port: int | Non
 
 
 # Python's full (generation 2) collection walks every tracked object, and a
-# broker holds every attempt of its retention window (60 s: at 2,000
-# rendezvous/s, over a hundred thousand), so each one paused the control plane
-# ~150 ms on this machine, several times a minute, past any p99 it answers in.
-# Ten times fewer full collections; the cyclic garbage they would free is
-# freed later, not lost (docs/benchmarks.md, "The control plane's garbage
-# collector").
-FULL_COLLECTION_EVERY = 100  # generation-1 collections (CPython's default: 10)
+# broker holds every attempt of its retention window (60 s: at 1,000
+# rendezvous/s ~1 million objects), so each one paused the control plane
+# 0.4-1 s on this machine, several times a minute, past any deadline it
+# answers in (docs/benchmarks.md, "The control plane's garbage
+# collector"). A serving process freezes its heap every FREEZE_EVERY_S, so a
+# collection walks only what is younger. A frozen object is still freed when
+# its last reference goes (reference counting); only a reference cycle that
+# was alive at a freeze waits for the full collection of everything, every
+# FULL_COLLECTION_EVERY_S (the control plane makes ~15 cyclic objects per
+# thousand rendezvous).
+FREEZE_EVERY_S = 1.0
+FULL_COLLECTION_EVERY_S = 900.0
 
 
 def settle_garbage_collector() -> None:
-    """A serving process: objects from its start are never collected, and full collections come 10x less often.
-
-    gc.freeze moves what the start created (modules, descriptors, config)
-    out of every later collection's walk.
-    """
+    """A serving process: what its start made (modules, descriptors, config) is out of the collections' walks."""
     gc.collect()
     gc.freeze()
-    young, middle, _ = gc.get_threshold()
-    gc.set_threshold(young, middle, FULL_COLLECTION_EVERY)
+
+
+async def keep_heap_frozen() -> None:
+    """Freezes the heap every FREEZE_EVERY_S; every FULL_COLLECTION_EVERY_S unfreezes it and collects all of it first."""
+    full_at = time.monotonic() + FULL_COLLECTION_EVERY_S
+    while True:
+        await asyncio.sleep(FREEZE_EVERY_S)
+        if time.monotonic() >= full_at:
+            gc.unfreeze()
+            gc.collect()
+            full_at = time.monotonic() + FULL_COLLECTION_EVERY_S
+        gc.freeze()
 
 
 async def serve_until_signalled(
@@ -192,7 +204,7 @@ async def serve_until_signalled(
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    tasks = [asyncio.ensure_future(job) for job in background]
+    tasks = [asyncio.ensure_future(job) for job in (*background, keep_heap_frozen())]
     stopper = asyncio.ensure_future(stop.wait())
     pending: set[asyncio.Future] = {stopper, *tasks}
     failed: list[asyncio.Future] = []
