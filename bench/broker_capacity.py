@@ -284,6 +284,7 @@ class Bench:
         self.metadata = {engine_id: (("authorization", f"Bearer {tokens[engine_id]}"),) for pair in pairs for engine_id in pair}
         self.leases: dict[str, str] = {}  # engine id -> lease id
         self.sent_second: dict[str, float] = {}  # transfer id -> perf_counter when the second message left
+        self.order_awaited: dict[str, asyncio.Future] = {}  # transfer id -> done when its order arrives (closed loop)
         self.latencies: list[float] = []
         self.delivered = 0
         self.errors: collections.Counter[str] = collections.Counter()
@@ -327,10 +328,14 @@ class Bench:
             if message.WhichOneof("message") != "order":
                 continue
             arrived = time.perf_counter()
-            started = sent.pop(message.order.key.transfer_id, None)
+            transfer_id = message.order.key.transfer_id
+            started = sent.pop(transfer_id, None)
             if started is not None:
                 self.latencies.append(arrived - started)
                 self.delivered += 1
+            awaited = self.order_awaited.get(transfer_id)
+            if awaited is not None and not awaited.done():
+                awaited.set_result(None)
             if self.answer_orders:
                 task = asyncio.create_task(self.answer(shard, engine_id, message.order.key))
                 self.answering.add(task)
@@ -369,7 +374,8 @@ class Bench:
         call = shard.stub.RegisterDestination if kind == "registrations" else shard.stub.ReportPrefillDone
         await call(request, metadata=self.metadata[engine_id], timeout=CALL_TIMEOUT_S)
 
-    async def rendezvous(self) -> None:
+    async def rendezvous(self, until_ordered: bool = False) -> None:
+        """Sends one rendezvous's two messages; with until_ordered also waits (bounded) for its order to reach the prefill engine."""
         transfer_id, destination, prefill_done, (prefill_id, decode_id) = self.requests()
 
         def second_sent() -> None:
@@ -378,15 +384,24 @@ class Bench:
         calls = [(prefill_id, "prefill_done", prefill_done), (decode_id, "registrations", destination)]
         if self.sequence % 2:
             calls.reverse()
+        if until_ordered:
+            ordered = self.order_awaited[transfer_id] = asyncio.get_running_loop().create_future()
         try:
             await self.send(*calls[0], None)
             await self.send(*calls[1], second_sent)
+            if until_ordered:
+                await asyncio.wait_for(ordered, CALL_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             self.errors[exc.code().name] += 1
             self.sent_second.pop(transfer_id, None)
         except KvpushError as exc:
             self.errors[exc.code] += 1
             self.sent_second.pop(transfer_id, None)
+        except TimeoutError:
+            self.errors["order not delivered in time"] += 1
+            self.sent_second.pop(transfer_id, None)
+        finally:
+            self.order_awaited.pop(transfer_id, None)
 
     def reset(self) -> None:
         self.latencies = []
@@ -420,7 +435,14 @@ class Bench:
         return launched
 
     async def closed_loop(self, concurrency: int, duration: float) -> int:
-        """`concurrency` callers each run rendezvous back to back: the maximum throughput."""
+        """`concurrency` callers each run rendezvous back to back: the maximum throughput.
+
+        A caller's rendezvous ends when its order arrives, not when its two
+        messages are answered: past capacity the broker answers messages
+        faster than it streams orders, so callers that only waited for the
+        answers would grow the order stream's backlog without bound and
+        measure that queue instead of the broker's rate.
+        """
         stop_at = time.perf_counter() + duration
         launched = 0
 
@@ -428,7 +450,7 @@ class Bench:
             nonlocal launched
             while time.perf_counter() < stop_at:
                 launched += 1
-                await self.rendezvous()
+                await self.rendezvous(until_ordered=True)
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
         await self.drain()

@@ -147,6 +147,8 @@ def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, A
             "cores_other_stacks": mean(sum(sum(parts.values()) for m, parts in r["cores_used"].items() if m != mode) for r in runs),
             "cpu_ms_per_request_p": mean(r.get("cpu_ms_per_request", {}).get("P") for r in runs),
             "cpu_ms_per_request_d": mean(r.get("cpu_ms_per_request", {}).get("D") for r in runs),
+            "cpu_ms_per_request_router": mean(r.get("cpu_ms_per_request", {}).get("router") for r in runs),
+            "cpu_ms_per_request_control_plane": mean(r.get("cpu_ms_per_request", {}).get("control_plane") for r in runs),
             "runs": len(runs),
             "thread_cpu_ms_per_request": per_thread(runs),
             "thread_runqueue_wait_ms_per_request": per_thread(runs, "thread_runqueue_wait_ms_per_request"),
@@ -299,14 +301,16 @@ def report_tables(documents: Sequence[dict[str, Any]], modes: Sequence[str], mar
     side = upstream_side_table(documents)
     out += ["", "Every mode from outside the engines (ms; mean over iterations): router P leg p50 (router send -> P's answer), "
             "TTFT after the P leg p50, vLLM's queue/prefill histogram means per engine, KV bytes per request, "
-            "cores used during the run by this mode's P and D and by the other stacks' processes", ""]
+            "cores used during the run by this mode's P and D and by the other stacks' processes, CPU per request of "
+            "this mode's P, D, router and control plane (kvpush's only)", ""]
     out.append(render_table(
         ["in", "out", "QPS", "mode", "P leg", "TTFT after P leg", "P queue", "P prefill", "D queue", "D prefill", "KV B/req", "P cores", "D cores",
-         "other stacks cores", "P CPU ms/req", "D CPU ms/req"],
+         "other stacks cores", "P CPU ms/req", "D CPU ms/req", "router CPU ms/req", "control plane CPU ms/req"],
         [[str(s["input_len"]), str(s["output_len"]), f"{s['qps']:g}", s["mode"], _fmt(s["p_leg_p50_ms"]), _fmt(s["after_p_leg_p50_ms"]),
           _fmt(s["p_queue_mean_ms"]), _fmt(s["p_prefill_mean_ms"]), _fmt(s["d_queue_mean_ms"]), _fmt(s["d_prefill_mean_ms"]),
           _fmt(s["kv_bytes_per_request"], 0), _fmt(s["cores_p"], 2), _fmt(s["cores_d"], 2), _fmt(s["cores_other_stacks"], 3),
-          _fmt(s["cpu_ms_per_request_p"]), _fmt(s["cpu_ms_per_request_d"])] for s in side],
+          _fmt(s["cpu_ms_per_request_p"]), _fmt(s["cpu_ms_per_request_d"]), _fmt(s["cpu_ms_per_request_router"]),
+          _fmt(s["cpu_ms_per_request_control_plane"])] for s in side],
         markdown))
     verdict = targets(rows, modes, side)
     verdict["engine_cpu_per_request"] = cpu_verdict(side)

@@ -78,9 +78,10 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     summary["router"]["retried"] = sum(1 for r in router_side.values() if (r["attempt"] or 1) > 1)
     summary["engines"] = {e: {k: v["mean"] for k, v in d.items()} | {"nixl_transfers": d["nixl_bytes"]["count"]} for e, d in engines.items()}
     summary["cores_used"] = {m: {part: (cpu_after[m][part] - cpu_before[m][part]) / wall for part in cpu_after[m]} for m in cpu_after}
-    # Engine CPU per completed request: every process of this mode's P and D group (vLLM's own spin included).
+    # CPU per completed request: every process of this mode's P and D group (vLLM's own spin included), its router and
+    # (kvpush) its control plane, which the engines' cores share unless --aux-cpus pins them.
     completed = max(summary["completed"], 1)
-    summary["cpu_ms_per_request"] = {part: (cpu_after[mode][part] - cpu_before[mode][part]) * 1000 / completed for part in ("P", "D")}
+    summary["cpu_ms_per_request"] = {part: (cpu_after[mode][part] - cpu_before[mode][part]) * 1000 / completed for part in cpu_after[mode]}
     summary["thread_cpu_ms_per_request"] = {part: thread_breakdown(threads_before[part], threads_after[part], completed) for part in ("P", "D")}
     # Time each thread was runnable but kept off its core by others (runqueue wait): what steals a pinned engine's core.
     summary["thread_runqueue_wait_ms_per_request"] = {part: thread_breakdown(waits_before[part], waits_after[part], completed) for part in ("P", "D")}
