@@ -409,10 +409,16 @@ class Bench:
         self.errors = collections.Counter()
 
     async def drain(self, timeout: float = 5.0) -> None:
-        """Waits until every sent rendezvous had its order delivered (bounded)."""
+        """Waits until every sent rendezvous had its order delivered and every order its answer (--answer-orders), bounded.
+
+        An answer still in flight at a phase's end would be the next phase's
+        server work, and its error that phase's.
+        """
         deadline = time.perf_counter() + timeout
         while self.sent_second and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
+        if self.answering:
+            await asyncio.wait(set(self.answering), timeout=max(0.0, deadline - time.perf_counter()))
 
     async def open_loop(self, rate: float, duration: float) -> int:
         """Starts `rate` rendezvous per second on schedule, whatever the latency (an offered load); returns how many it started."""
