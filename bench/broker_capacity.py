@@ -390,7 +390,8 @@ class Bench:
             await self.send(*calls[0], None)
             await self.send(*calls[1], second_sent)
             if until_ordered:
-                await asyncio.wait_for(ordered, CALL_TIMEOUT_S)
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    await ordered
         except grpc.aio.AioRpcError as exc:
             self.errors[exc.code().name] += 1
             self.sent_second.pop(transfer_id, None)
