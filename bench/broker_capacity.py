@@ -262,6 +262,15 @@ class StreamSender:
         await self.client.close(0.1)
 
 
+def _failure_name(exc: Exception) -> str:
+    """How a failed rendezvous is counted: its gRPC status, kvpush's error code, or the order that did not come."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code().name
+    if isinstance(exc, KvpushError):
+        return exc.code
+    return "order not delivered in time"
+
+
 class Shard:
     """One broker member as the load generator sees it: its unary stub and, with --transport streams, each engine's stream to it."""
 
@@ -392,14 +401,8 @@ class Bench:
             if until_ordered:
                 async with asyncio.timeout(CALL_TIMEOUT_S):
                     await ordered
-        except grpc.aio.AioRpcError as exc:
-            self.errors[exc.code().name] += 1
-            self.sent_second.pop(transfer_id, None)
-        except KvpushError as exc:
-            self.errors[exc.code] += 1
-            self.sent_second.pop(transfer_id, None)
-        except TimeoutError:
-            self.errors["order not delivered in time"] += 1
+        except (grpc.aio.AioRpcError, KvpushError, TimeoutError) as exc:
+            self.errors[_failure_name(exc)] += 1
             self.sent_second.pop(transfer_id, None)
         finally:
             self.order_awaited.pop(transfer_id, None)
