@@ -7,9 +7,11 @@ the hot path pays one append per segment, not a span's construction. Each
 span is a child of the router's span named by the request's traceparent, so
 one trace covers router, P, broker and D.
 
-Sampling follows the standard OTEL_TRACES_SAMPLER: with a parent-based
-sampler (the SDK's default), a segment whose request the router did not
-sample is dropped at once, before anything is recorded.
+Sampling follows the standard OTEL_TRACES_SAMPLER, decided on the hot path
+from the request's traceparent where the sampler allows it: with a
+parent-based sampler (the SDK's default) a segment whose request the router
+did not sample, with `traceidratio` one whose trace id the ratio leaves
+out, is dropped at once, before anything is recorded.
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.sampling import ParentBased
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
 from kvpush.processes import name_os_thread
-from kvpush.telemetry import extract_context, span_attributes
+from kvpush.telemetry import extract_context, span_attributes, trace_id_ratio_sampled
 
 TRACER_NAME = "kvpush.connector"
 # How long the builder thread gathers recorded segments before it turns them into spans (the exporter
@@ -56,7 +58,9 @@ class Spans:
         self._provider = provider
         # Without a configured SDK every span is a no-op: skip the work of recording one.
         self.enabled = isinstance(provider, TracerProvider)
-        self._follow_parent = self.enabled and isinstance(provider.sampler, ParentBased)
+        sampler = provider.sampler if self.enabled else None
+        self._follow_parent = isinstance(sampler, ParentBased)
+        self._trace_id_ratio = sampler.rate if isinstance(sampler, TraceIdRatioBased) else None
         self._tracer = provider.get_tracer(TRACER_NAME)
         self._pending: collections.deque = collections.deque(maxlen=MAX_PENDING)
         self._lock = threading.Lock()  # one builder at a time (the thread, or flush at exit)
@@ -69,8 +73,11 @@ class Spans:
         if not self.enabled:
             return
         traceparent = request.traceparent
-        if traceparent and self._follow_parent and not parent_sampled(traceparent):
-            return
+        if traceparent:
+            if self._follow_parent and not parent_sampled(traceparent):
+                return
+            if self._trace_id_ratio is not None and not trace_id_ratio_sampled(traceparent[3:35], self._trace_id_ratio):
+                return
         self._pending.append((name, start_ns, end_ns, request.transfer_id, request.attempt, getattr(request, "client_request_id", ""),
                               traceparent, links, attributes))
         if not self._recorded.is_set():

@@ -47,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--one-stack-at-a-time", action="store_true", help="run one mode's stack at a time (modes alternate per pass, not per point)")
     parser.add_argument("--kvpush-engine-tracing", action=argparse.BooleanOptionalAction, default=True,
                         help="kvpush engines and control plane export spans (the per-segment breakdown needs them; routers always do)")
+    parser.add_argument("--kvpush-trace-ratio", type=float, default=None, metavar="RATIO",
+                        help="kvpush engines and control plane keep this share of traces (OTEL_TRACES_SAMPLER=traceidratio, e.g. 0.1); "
+                             "routers keep every trace, the breakdown is taken over the kept ones")
     parser.add_argument("--kvpush-extra-config", type=json.loads, default={},
                         help='JSON merged into the kvpush engines\' kv_connector_extra_config, e.g. \'{"poll_interval_ms": 2}\'')
     parser.add_argument("--measure-idle", action="store_true", help="measure every running stack's idle cores after each start")
@@ -68,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}")
+    if args.kvpush_trace_ratio is not None and not 0.0 <= args.kvpush_trace_ratio <= 1.0:
+        parser.error(f"--kvpush-trace-ratio {args.kvpush_trace_ratio}: a share of traces, from 0 to 1")
     if args.aux_cpus is not None:
         try:
             aux = parse_cpu_list(args.aux_cpus)

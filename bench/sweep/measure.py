@@ -15,7 +15,7 @@ from bench.sweep.stacks import ModeStack
 from kvpush.localstack.control_plane import ControlPlaneHandle
 from kvpush.localstack.metrics import scrape_metrics
 from kvpush.report.breakdown import breakdown
-from kvpush.telemetry import FIRST_TOKEN_EVENT
+from kvpush.telemetry import FIRST_TOKEN_EVENT, trace_id_ratio_sampled
 
 # Tiny-model geometry (kvpush.tinymodel): 2 layers × K and V × 2 KV heads × 64
 # channels × 4 bytes (float32) per token; vLLM CPU's block size.
@@ -75,14 +75,16 @@ async def fetch_transfers(control_plane: ControlPlaneHandle, keys: Sequence[tupl
     return results
 
 
-def wait_for_spans(stack: ModeStack, offset: int, prefix: str, expected: int, need_engine_spans: bool) -> list[dict[str, Any]]:
-    """The spans written since `offset` once `expected` router requests of `prefix` are there (engine spans too for kvpush); bounded."""
+def wait_for_spans(stack: ModeStack, offset: int, prefix: str, expected: int, need_engine_spans: bool,
+                   trace_ratio: float | None = None) -> list[dict[str, Any]]:
+    """The spans written since `offset` once `expected` served router requests of `prefix` are there and, for kvpush's
+    engine spans, every request the engines sample (all of them unless `trace_ratio`) is complete; bounded."""
     deadline = time.monotonic() + SPANS_SETTLE_TIMEOUT_S
     while True:
         spans = stack.spans.read_since(offset)
-        result = breakdown(spans, request_id_prefix=prefix)
-        have = sum(r.complete for r in result.requests) if need_engine_spans else len(result.requests)
-        if have >= expected or time.monotonic() > deadline:
+        requests = breakdown(spans, request_id_prefix=prefix).requests
+        sampled = [r for r in requests if trace_ratio is None or trace_id_ratio_sampled(r.trace_id, trace_ratio)]
+        if len(requests) >= expected and (not need_engine_spans or all(r.complete for r in sampled)) or time.monotonic() > deadline:
             return spans
         time.sleep(0.3)
 
@@ -121,13 +123,18 @@ def thread_breakdown(before: dict[str, float], after: dict[str, float], complete
     return dict(sorted(((n, round(ms, 2)) for n, ms in used.items() if ms >= 0.5), key=lambda item: -item[1]))
 
 
-def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str, wall_minus_monotonic_ns: int) -> dict[str, Any]:
+def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str, wall_minus_monotonic_ns: int, trace_ratio: float | None = None) -> dict[str, Any]:
     """kvpush.report's per-segment breakdown of the run (p50/p90/mean per segment, ms), and each request's D wait tail on CLOCK_MONOTONIC.
+
+    With `trace_ratio` it reads only the traces the engines sampled, as if the
+    router sampled at that ratio too (the report's input in such a deployment).
 
     The wait tails (KV in at D, D scheduled; seconds) are where
     `bench.step_timeline` finds the engine steps each one spans; spans carry
     wall-clock times, the step timeline CLOCK_MONOTONIC.
     """
+    if trace_ratio is not None:
+        spans = [s for s in spans if trace_id_ratio_sampled(s["trace_id"], trace_ratio)]
     result = breakdown(spans, request_id_prefix=prefix)
     rows = {row.name: {"p50": row.p50, "p90": row.p90, "mean": row.mean, "n": row.count} for row in result.rows() + result.detail_rows()}
     tails = [[(r.instants["kv_received"] - wall_minus_monotonic_ns) / 1e9, (r.instants["d_scheduled"] - wall_minus_monotonic_ns) / 1e9]

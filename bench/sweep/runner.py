@@ -63,7 +63,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
             stack = start_stack(mode, model_dir, work / mode, args.nixl_as_shipped, args.kvpush_engine_tracing, args.kvpush_extra_config,
-                                args.vllm_spin_ms, timeline, args.aux_cpus)
+                                args.vllm_spin_ms, timeline, args.aux_cpus, args.kvpush_trace_ratio)
         except Exception as exc:  # recorded; the other modes go on
             failed_start[mode] = f"stack did not start: {exc}"[:2000]
             tqdm.write(f"{mode}: {failed_start[mode]}")

@@ -70,7 +70,8 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
         time.sleep(0.25)
     engines = {e: histogram_delta(before[e], after[e]) for e in before}
     engine_spans = mode == "kvpush" and args.kvpush_engine_tracing
-    spans = wait_for_spans(stack, offset, prefix, len(records), need_engine_spans=engine_spans)
+    trace_ratio = args.kvpush_trace_ratio
+    spans = wait_for_spans(stack, offset, prefix, len(records), need_engine_spans=engine_spans, trace_ratio=trace_ratio)
     summary = summarize(records, wall, workload)
     summary["correctness"] = check_correctness(records, workload, references)
     router_side = router_segments(spans, prefix)
@@ -89,7 +90,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     if mode == "kvpush":
         summary["kv_bytes"] = kvpush_kv_check(stack, spans, prefix, point)
         if engine_spans:
-            summary["breakdown"] = kvpush_breakdown(spans, prefix, wall_minus_monotonic_ns)
+            summary["breakdown"] = kvpush_breakdown(spans, prefix, wall_minus_monotonic_ns, trace_ratio)
     else:
         summary["kv_bytes"] = upstream_kv_check(engines, len(records), point)
     return {
@@ -101,6 +102,7 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
         "pinning": {"prefill_cpus": PREFILL_CPUS, "decode_cpus": DECODE_CPUS, "aux_cpus": args.aux_cpus or "not pinned"},
         "layout": "one stack at a time" if args.one_stack_at_a_time else "all stacks up, modes alternating per point",
         "kvpush_engine_tracing": args.kvpush_engine_tracing,
+        "kvpush_trace_ratio": trace_ratio,
         "kvpush_extra_config": args.kvpush_extra_config,
         # The load's span on CLOCK_MONOTONIC and each engine's process group: where this run is in a step timeline.
         "monotonic_window_s": [started, ended],

@@ -83,12 +83,13 @@ class ModeStack:
 
 def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, kvpush_engine_tracing: bool,
                 kvpush_extra: dict[str, Any], vllm_spin_ms: float | None = None, step_timeline_dir: Path | None = None,
-                aux_cpus: str | None = None) -> ModeStack:
+                aux_cpus: str | None = None, trace_ratio: float | None = None) -> ModeStack:
     """Starts one mode's engines (P on PREFILL_CPUS, D on DECODE_CPUS, concurrently) and router.
 
     Every router exports its spans (router-side timings, kvpush transfer
     ids); kvpush's engines and control plane too unless
-    `kvpush_engine_tracing` is off (to measure what tracing costs them).
+    `kvpush_engine_tracing` is off (to measure what tracing costs them);
+    with `trace_ratio` they keep that share of traces, by trace id.
     `kvpush_extra` goes into both kvpush engines' kv_connector_extra_config.
     Upstream engines get NIXL's poll delay unless `nixl_as_shipped`;
     every engine's vLLM queue readers spin at most `vllm_spin_ms` per wait
@@ -100,6 +101,7 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
     traces = work / "traces.jsonl"
     spec = StackSpec(
         mode=mode, prefill_cpus=PREFILL_CPUS, decode_cpus=DECODE_CPUS, aux_cpus=aux_cpus, traces_file=traces, trace_engines=kvpush_engine_tracing,
+        trace_ratio=trace_ratio,
         engine_env=engine_hooks_env(poll_delay_us=poll_delay_us, vllm_spin_ms=vllm_spin_ms, step_timeline_dir=step_timeline_dir), kvpush_extra=kvpush_extra,
         # Settled transfers stay queryable (GetTransfer) for the whole sweep; retention only bounds memory.
         control_plane_args=("--retention", "7200"), router_log_level="WARNING",

@@ -50,6 +50,9 @@ class StackSpec:
     aux_cpus: str | None = None  # CPU list of the router and the control plane, every thread (None: not pinned)
     traces_file: Path | None = None  # the router's spans go here, and kvpush's engines' and control plane's with trace_engines
     trace_engines: bool = True
+    # kvpush's engines and control plane keep this share of traces (OTEL_TRACES_SAMPLER=traceidratio: by trace id, so the
+    # same traces as a router at parentbased_traceidratio would); the router keeps every trace. None: the SDK's default.
+    trace_ratio: float | None = None
     engine_env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # on top of engines.ENGINE_ENV
     engine_args: Sequence[str] = ()  # extra vLLM server arguments
     kvpush_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # kv_connector_extra_config of kvpush engines
@@ -65,6 +68,8 @@ class StackSpec:
             raise ValueError(f"mode must be one of {MODES}, not {self.mode!r}")
         if self.prefills < 1 or self.decodes < 1:
             raise ValueError("a stack needs at least one prefill and one decode engine")
+        if self.trace_ratio is not None and not 0.0 <= self.trace_ratio <= 1.0:
+            raise ValueError(f"trace_ratio must be within [0, 1], not {self.trace_ratio}")
         if self.mode == "upstream-push" and self.prefills != 1:
             raise ValueError("upstream-push routes to one prefill engine's side channel: prefills must be 1")
 
@@ -139,6 +144,8 @@ class Stack:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         tracing = tracing_env(spec.traces_file) if spec.traces_file is not None else {}
         kvpush_tracing = tracing if spec.mode == "kvpush" and spec.trace_engines else {}
+        if kvpush_tracing and spec.trace_ratio is not None:
+            kvpush_tracing = {**kvpush_tracing, "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": f"{spec.trace_ratio:g}"}
         if spec.mode == "kvpush":
             self.control_plane = start_control_plane(self.work_dir / "control-plane", env=kvpush_tracing, extra_args=spec.control_plane_args,
                                                      engine_ids=[*spec.engine_ids("prefill"), *spec.engine_ids("decode")],

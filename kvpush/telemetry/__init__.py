@@ -12,6 +12,7 @@ from kvpush.telemetry.context import (
     extract_context,
     inject_traceparent,
     span_attributes,
+    trace_id_ratio_sampled,
 )
 from kvpush.telemetry.file_exporter import OtlpJsonLinesFileExporter, encode_json_line
 from kvpush.telemetry.reader import read_spans
@@ -33,4 +34,5 @@ __all__ = [
     "configure_tracing",
     "setup_tracing",
     "span_attributes",
+    "trace_id_ratio_sampled",
 ]

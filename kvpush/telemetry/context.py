@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from opentelemetry import propagate
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 
 ATTR_TRANSFER_ID = "kvpush.transfer_id"
 ATTR_ATTEMPT = "kvpush.attempt"
@@ -33,6 +34,19 @@ def inject_traceparent(context: Context | None = None) -> dict[str, str]:
 def extract_context(carrier: Mapping[str, str]) -> Context:
     """Returns a context whose parent span is the one carrier names (the current context if none)."""
     return propagate.extract(dict(carrier))
+
+
+def trace_id_ratio_sampled(trace_id: str, ratio: float) -> bool:
+    """Whether the SDK's TraceIdRatioBased(ratio) samples the trace with this 32-hex-digit id.
+
+    It decides on the id alone (its low 64 bits against a bound), so every
+    process configured with the same ratio keeps the same traces, a parent
+    or not; an id that cannot be read counts as sampled (nothing is lost).
+    """
+    try:
+        return int(trace_id[16:32], 16) < TraceIdRatioBased.get_bound_for_rate(ratio)
+    except ValueError:
+        return True
 
 
 def span_attributes(

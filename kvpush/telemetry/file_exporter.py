@@ -9,6 +9,7 @@ import fcntl
 import json
 import logging
 import os
+import threading
 from collections.abc import Sequence
 
 from google.protobuf import json_format
@@ -16,11 +17,17 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from kvpush.processes import name_os_thread
+
 logger = logging.getLogger(__name__)
 
 # OTLP/JSON writes these bytes fields as lowercase hex, where protobuf's own
 # JSON mapping would write base64.
 _HEX_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId"})
+# The Python name the SDK gives its batch processor's worker thread, and the kernel name this exporter gives it,
+# so per-thread CPU (/proc/<pid>/task/<tid>/comm, the sweep's thread table) shows what exporting spans costs.
+_SDK_BATCH_THREAD_PREFIX = "OtelBatch"
+EXPORT_THREAD_NAME = "kvpush-otel-exp"
 
 
 def _hex_ids(node):
@@ -72,12 +79,18 @@ class OtlpJsonLinesFileExporter(SpanExporter):
         parent = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(parent, exist_ok=True)
         self._shut_down = False
+        self._named_threads: set[tuple[int, int | None]] = set()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._shut_down:
             return SpanExportResult.FAILURE
         if not spans:
             return SpanExportResult.SUCCESS
+        thread = threading.current_thread()
+        key = (os.getpid(), thread.ident)  # the worker is re-created after a fork (vLLM forks its engines)
+        if key not in self._named_threads and thread.name.startswith(_SDK_BATCH_THREAD_PREFIX):
+            name_os_thread(EXPORT_THREAD_NAME)
+            self._named_threads.add(key)
         try:
             append_locked(self.path, encode_json_line(spans))
         except OSError:

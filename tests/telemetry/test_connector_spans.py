@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
 
 from kvpush.connector.spans import Spans, parent_sampled
-from kvpush.telemetry import read_spans, setup_tracing
+from kvpush.telemetry import read_spans, setup_tracing, trace_id_ratio_sampled
 
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 SAMPLED = f"00-{TRACE}-b7ad6b7169203331-01"
@@ -72,6 +72,21 @@ def test_a_sampler_that_ignores_parents_decides_for_itself():
     spans.emit("d.wait_for_kv", 1, 2, Request("t1", 1, NOT_SAMPLED))
     spans.flush()
     assert len(exporter.get_finished_spans()) == 1
+
+
+def test_a_trace_id_ratio_sampler_drops_before_recording_what_the_sdk_would_not_sample():
+    # traceidratio decides on the trace id's low 64 bits, so an engine keeps exactly the traces that every other
+    # process at the same ratio keeps (a router at parentbased_traceidratio too), whatever the parent's flag says.
+    provider, exporter = provider_with(TraceIdRatioBased(0.5))
+    spans = Spans("decode-1", "decode", provider)
+    kept, dropped = "0" * 16 + "7fffffffffffffff", "0" * 16 + "8000000000000000"
+    spans.emit("d.wait_for_kv", 1, 2, Request("dropped", 1, f"00-{dropped}-b7ad6b7169203331-01"))
+    assert not spans._pending
+    spans.emit("d.wait_for_kv", 1, 2, Request("kept", 1, f"00-{kept}-b7ad6b7169203331-00"))
+    spans.flush()
+    assert [s.attributes["kvpush.transfer_id"] for s in exporter.get_finished_spans()] == ["kept"]
+    assert trace_id_ratio_sampled(kept, 0.5) and not trace_id_ratio_sampled(dropped, 0.5)
+    assert trace_id_ratio_sampled("garbage", 0.0)  # unreadable: let the SDK's sampler decide
 
 
 def test_the_builder_thread_emits_without_a_flush():

@@ -13,6 +13,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -21,7 +24,7 @@ from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvpush.telemetry import (
@@ -33,6 +36,7 @@ from kvpush.telemetry import (
     setup_tracing,
     span_attributes,
 )
+from kvpush.telemetry.file_exporter import EXPORT_THREAD_NAME
 
 OTEL_ENV = ("OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES", "OTEL_TRACES_SAMPLER", "OTEL_SDK_DISABLED", "KVPUSH_TRACES_FILE")
 
@@ -278,6 +282,25 @@ def test_console_and_file_exporters_together(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(result.stdout)["name"] == "both"
     assert [span["name"] for span in read_spans(path)] == ["both"]
+
+
+def test_the_batch_processor_thread_carries_a_kernel_name_and_the_caller_keeps_its_own(tmp_path):
+    # Per-thread CPU (the sweep's thread table) tells span export apart from the engine's own threads by this name.
+    provider, earlier = TracerProvider(), set(threading.enumerate())  # other tests' processors may still run
+    processor = BatchSpanProcessor(OtlpJsonLinesFileExporter(tmp_path / "t.jsonl"), schedule_delay_millis=10)
+    provider.add_span_processor(processor)
+    caller_comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text()
+    provider.get_tracer("t").start_span("exported-by-the-worker").end()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "t.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    (worker,) = (t for t in set(threading.enumerate()) - earlier if t.name.startswith("OtelBatch"))
+    assert Path(f"/proc/self/task/{worker.native_id}/comm").read_text().strip() == EXPORT_THREAD_NAME
+    provider.get_tracer("t").start_span("exported-by-the-caller").end()
+    provider.force_flush()
+    assert Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text() == caller_comm
+    provider.shutdown()
+    assert {s["name"] for s in read_spans(tmp_path / "t.jsonl")} == {"exported-by-the-worker", "exported-by-the-caller"}
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,8 @@ def test_stack_spec_engine_ids_and_checks():
         StackSpec(mode="upstream-push", prefills=2)
     with pytest.raises(ValueError, match="at least one"):
         StackSpec(decodes=0)
+    with pytest.raises(ValueError, match=r"trace_ratio must be within \[0, 1\], not 1.5"):
+        StackSpec(trace_ratio=1.5)
 
 
 # A process with a child, threads in both: every thread of the group is pinned.

@@ -125,4 +125,14 @@ def test_the_cpu_bound_takes_kvpush_s_own_threads_out_of_its_engines():
     # P: (4 + 2 + 2) / 2 runs = 4 ms per request of kvpush's threads, so (50 - 4) / 50; D has none of them.
     assert verdict["ratios"][0]["p"] == 1.0 and verdict["ratios"][0]["p_without_kvpush_threads"] == 46.0 / 50.0
     assert verdict["ratios"][0]["d_without_kvpush_threads"] == 1.0
+    assert verdict["ratios"][0]["p_tracing_threads_ms"] == 0.0  # the producer and gRPC's threads are not tracing's
+
+
+def test_tracing_s_threads_are_told_apart_from_kvpush_s_others():
+    kv = side(1, "kvpush", 50.0, 100.0) | {"runs": 2, "thread_cpu_ms_per_request": {
+        "P": {"VLLM::Worker/kvpush-spans-pre": [1.0, 0.5], "VLLM::Worker/kvpush-otel-exp": [1.5, 1.0], "VLLM::Worker/kvpush-producer": [4.0]},
+        "D": {"VLLM::Worker/VLLM::Worker": [90.0, 90.0]}}}
+    ratios = cpu_verdict([kv, side(1, "upstream-push", 50.0, 100.0)])["ratios"][0]
+    assert ratios["p_tracing_threads_ms"] == 2.0 and ratios["p_without_kvpush_threads"] == 46.0 / 50.0
+    assert ratios["d_tracing_threads_ms"] == 0.0
     assert cpu_verdict([side(1, "kvpush", 50.0, 100.0), side(1, "upstream-push", 50.0, 100.0)])["ratios"][0]["p_without_kvpush_threads"] is None
