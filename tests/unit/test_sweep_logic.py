@@ -92,6 +92,13 @@ def test_cpu_target_compares_kvpush_with_upstream_push_on_each_engine():
     assert not cpu_verdict([side(1, "kvpush", 40.0, 80.0)])["met"]  # nothing to compare with
 
 
+def test_cpu_ratios_are_also_given_per_iteration():
+    kv = side(1, "kvpush", 45.0, 80.0) | {"cpu_ms_per_request_per_iteration": {"P": [40.0, 50.0], "D": [80.0, None]}}
+    up = side(1, "upstream-push", 50.0, 100.0) | {"cpu_ms_per_request_per_iteration": {"P": [50.0, 50.0], "D": [100.0, 100.0]}}
+    (ratios,) = cpu_verdict([kv, up])["ratios"]
+    assert ratios["p_per_iteration"] == [0.8, 1.0] and ratios["d_per_iteration"] == [0.8, None]
+
+
 def test_thread_cpu_is_listed_per_iteration_for_each_engine():
     runs = [{"thread_cpu_ms_per_request": {"D": {"VLLM::Worker/kvpush-consumer": 2.5, "VLLM::Worker/VLLM::Worker": 190.0}}},
             {"thread_cpu_ms_per_request": {"D": {"VLLM::Worker/kvpush-consumer": 1.5}, "P": {"python/python": 10.0}}},
