@@ -23,7 +23,8 @@ from google.protobuf import json_format
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -85,6 +86,53 @@ def test_json_line_is_the_otlp_json_of_the_export_request():
             link["traceId"] = base64.b64encode(bytes.fromhex(link["traceId"])).decode()
             link["spanId"] = base64.b64encode(bytes.fromhex(link["spanId"])).decode()
     assert json_format.ParseDict(document, ExportTraceServiceRequest()) == encode_spans(spans)
+
+
+def _protobuf_otlp_json(spans) -> dict:
+    """The oracle: the SDK's protobuf request in protobuf's JSON mapping, ids turned to OTLP/JSON's hex."""
+
+    def hex_ids(node):
+        if isinstance(node, dict):
+            return {k: base64.b64decode(v).hex() if k in ("traceId", "spanId", "parentSpanId") else hex_ids(v) for k, v in node.items()}
+        return [hex_ids(item) for item in node] if isinstance(node, list) else node
+
+    return hex_ids(json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True))
+
+
+def _varied_spans() -> list:
+    """Spans of two resources and three scopes, with every attribute type, events, links, statuses, trace state and drops."""
+    exporter = InMemorySpanExporter()
+    limits = SpanLimits(max_span_attributes=12, max_events=2, max_links=1)
+    spans = []
+    for resource in (Resource({"service.name": "p", "host.id": 7}), Resource({}, schema_url="https://example.com/schema")):
+        provider = TracerProvider(resource=resource, span_limits=limits)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        for tracer in (provider.get_tracer("kvpush.a"), provider.get_tracer("kvpush.b", "1.2", "https://example.com/s", {"scope.k": True})):
+            remote = trace.SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=True,
+                                       trace_flags=trace.TraceFlags(1), trace_state=trace.TraceState([("vendor", "v1"), ("other", "x")]))
+            with tracer.start_as_current_span("root", context=trace.set_span_in_context(trace.NonRecordingSpan(remote)),
+                                              kind=trace.SpanKind.SERVER,
+                                              attributes={"dropped": "the oldest, over the limit", "s": "text ✓", "i": -3, "big": 2**62, "f": 0.25, "whole": 2.0, "b": False,
+                                                          "strs": ["a", ""], "ints": [0, 1], "floats": [1.5], "bools": [True], "empty": [],
+                                                          "zero": 0}) as root:
+                root.add_event("e0", {"n": 0}, timestamp=1)
+                root.add_event("e1")
+                root.add_event("e2 dropped")
+                root.set_status(trace.Status(trace.StatusCode.ERROR, "went wrong"))
+                with tracer.start_as_current_span("child", kind=trace.SpanKind.CONSUMER,
+                                                  links=[trace.Link(remote, {"why": "order"}), trace.Link(root.get_span_context())]) as child:
+                    child.set_status(trace.StatusCode.OK)
+            tracer.start_span("internal, no parent", attributes={"nan": float("nan"), "inf": float("-inf")}).end()
+            spans.extend(exporter.get_finished_spans())
+            exporter.clear()
+    return spans
+
+
+def test_json_line_equals_the_sdk_protobuf_encoding_for_every_field_kind():
+    spans = _varied_spans()
+    assert len(spans) == 12 and {s.dropped_attributes for s in spans} >= {1} and {s.dropped_links for s in spans} >= {1}
+    assert json.loads(encode_json_line(spans)) == _protobuf_otlp_json(spans)
+    assert json.loads(encode_json_line(spans[:1])) == _protobuf_otlp_json(spans[:1])
 
 
 def test_read_spans_round_trip(tmp_path):
