@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
 from kvpush.connector.spans import Spans
-from kvpush.telemetry import read_spans
+from kvpush.telemetry import read_spans, trace_id_ratio_sampled
 from kvpush.telemetry.file_exporter import OtlpJsonLinesFileExporter
 
 P_SEGMENTS = ("p.queue", "p.prefill", "p.descriptor_prep", "p.write_post", "p.order_delivery", "p.write_transfer", "p.prefill_done_report",
@@ -49,11 +49,10 @@ class Request:
 
 def traceparents(count: int, ratio: float, rng: random.Random) -> list[str]:
     """The routers' traceparents: sampled like TraceIdRatioBased(ratio) decides on the trace id's low 64 bits."""
-    bound = round(ratio * (2**64 - 1))
     out = []
     for _ in range(count):
         trace_id = rng.getrandbits(128) or 1
-        flags = "01" if trace_id & 0xFFFFFFFFFFFFFFFF < bound else "00"
+        flags = "01" if trace_id_ratio_sampled(f"{trace_id:032x}", ratio) else "00"
         out.append(f"00-{trace_id:032x}-{rng.getrandbits(64) or 1:016x}-{flags}")
     return out
 
