@@ -124,10 +124,12 @@ def measured_kv_bytes(kv: dict[str, Any]) -> float | None:
 def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per point and mode: router P leg, TTFT after the P leg, engine queue/prefill means (ms; mean over iterations)."""
     groups: dict[tuple[int, int, float, str], list[dict[str, Any]]] = defaultdict(list)
-    for d in sorted(documents, key=lambda d: d["point"]["iteration"]):  # lists per iteration line up across modes
+    iterations: dict[tuple[int, int, float, str], list[int]] = defaultdict(list)
+    for d in sorted(documents, key=lambda d: d["point"]["iteration"]):
         if "summary" in d:
             p = d["point"]
             groups[(p["input_len"], p["output_len"], p["qps"], d["mode"])].append(d["summary"])
+            iterations[(p["input_len"], p["output_len"], p["qps"], d["mode"])].append(p["iteration"])
 
     def mean(values: Iterable[float | None]) -> float | None:
         present = [v for v in values if v is not None]
@@ -152,6 +154,7 @@ def upstream_side_table(documents: Sequence[dict[str, Any]]) -> list[dict[str, A
             "cpu_ms_per_request_router": mean(r.get("cpu_ms_per_request", {}).get("router") for r in runs),
             "cpu_ms_per_request_control_plane": mean(r.get("cpu_ms_per_request", {}).get("control_plane") for r in runs),
             "cpu_ms_per_request_per_iteration": {part: [r.get("cpu_ms_per_request", {}).get(part) for r in runs] for part in ("P", "D")},
+            "iterations": iterations[(input_len, output_len, qps, mode)],  # which iteration each per-iteration entry is (a skipped run leaves a gap)
             "runs": len(runs),
             "thread_cpu_ms_per_request": per_thread(runs),
             "thread_runqueue_wait_ms_per_request": per_thread(runs, "thread_runqueue_wait_ms_per_request"),
@@ -245,6 +248,12 @@ def kvpush_thread_cpu_ms(kv: dict[str, Any], engine: str, prefixes: tuple[str, .
     return sum(sum(ms) for name, ms in threads.items() if name.partition("/")[2].startswith(prefixes)) / kv["runs"]
 
 
+def by_iteration(side_row: dict[str, Any], engine: str) -> dict[int, float | None]:
+    """A side row's CPU per request of one engine, keyed by iteration: two modes' runs pair by iteration, whichever were skipped."""
+    values = side_row.get("cpu_ms_per_request_per_iteration", {}).get(engine, [])
+    return dict(zip(side_row.get("iterations", range(1, len(values) + 1)), values))
+
+
 def cpu_verdict(side: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Engine CPU per request, kvpush over upstream push, for P and D at every point both ran."""
     by_point: dict[tuple[int, int, float], dict[str, dict[str, Any]]] = defaultdict(dict)
@@ -263,8 +272,9 @@ def cpu_verdict(side: Sequence[dict[str, Any]]) -> dict[str, Any]:
             # The bound: kvpush's engines with its own threads costing nothing, i.e. vLLM's work in them against upstream push's.
             entry[f"{e}_without_kvpush_threads"] = (used - own) / baseline if entry[e] is not None and own is not None else None
             entry[f"{e}_tracing_threads_ms"] = kvpush_thread_cpu_ms(kv, e.upper(), TRACING_THREAD_PREFIXES)
-            pairs = zip(kv.get("cpu_ms_per_request_per_iteration", {}).get(e.upper(), []), up.get("cpu_ms_per_request_per_iteration", {}).get(e.upper(), []))
-            entry[f"{e}_per_iteration"] = [a / b if a is not None and b else None for a, b in pairs]
+            used_by, baseline_by = (by_iteration(modes, e.upper()) for modes in (kv, up))
+            entry[f"{e}_per_iteration"] = [
+                used_by[i] / baseline_by[i] if used_by.get(i) is not None and baseline_by.get(i) else None for i in sorted(used_by.keys() | baseline_by.keys())]
         ratios.append(entry)
     judged = [r for r in ratios if r["p"] is not None and r["d"] is not None]
     return {"target": TARGET_CPU_RATIO, "met": bool(judged) and all(r["p"] <= TARGET_CPU_RATIO and r["d"] <= TARGET_CPU_RATIO for r in judged),

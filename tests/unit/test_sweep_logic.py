@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from bench.sweep.grid import Point, build_grid, make_workload, requests_for
-from bench.sweep.report import cpu_verdict, per_thread, targets
+from bench.sweep.report import cpu_verdict, per_thread, targets, upstream_side_table
 
 MODES = ("kvpush", "upstream-push", "pull")
 
@@ -97,6 +97,29 @@ def test_cpu_ratios_are_also_given_per_iteration():
     up = side(1, "upstream-push", 50.0, 100.0) | {"cpu_ms_per_request_per_iteration": {"P": [50.0, 50.0], "D": [100.0, 100.0]}}
     (ratios,) = cpu_verdict([kv, up])["ratios"]
     assert ratios["p_per_iteration"] == [0.8, 1.0] and ratios["d_per_iteration"] == [0.8, None]
+
+
+def test_per_iteration_cpu_ratios_pair_runs_of_the_same_iteration_when_one_was_skipped():
+    """kvpush's first iteration was skipped: its one run is iteration 2's, and is compared with upstream push's iteration 2."""
+    kv = side(1, "kvpush", 60.0, 90.0) | {"cpu_ms_per_request_per_iteration": {"P": [60.0], "D": [90.0]}, "iterations": [2]}
+    up = side(1, "upstream-push", 45.0, 95.0) | {"cpu_ms_per_request_per_iteration": {"P": [30.0, 60.0], "D": [90.0, 100.0]}, "iterations": [1, 2]}
+    (ratios,) = cpu_verdict([kv, up])["ratios"]
+    assert ratios["p_per_iteration"] == [None, 1.0] and ratios["d_per_iteration"] == [None, 0.9]
+
+
+def test_the_side_table_says_which_iteration_each_run_is():
+    def document(mode, iteration, p_ms):
+        summary = {"router": {"p_leg_ms": {"p50": 1.0}, "after_p_leg_ms": {"p50": 1.0}},
+                   "engines": {e: {"queue_s": 0.0, "prefill_s": 0.0} for e in ("P", "D")}, "kv_bytes": {}, "cores_used": {mode: {"P": 0.1, "D": 0.1}},
+                   "cpu_ms_per_request": {"P": p_ms, "D": 1.0}}
+        return {"mode": mode, "point": {"input_len": 256, "output_len": 16, "qps": 1.0, "iteration": iteration}, "summary": summary}
+
+    skipped = {"mode": "kvpush", "point": {"input_len": 256, "output_len": 16, "qps": 1.0, "iteration": 1}, "skipped": "P did not keep up"}
+    rows = upstream_side_table([document("upstream-push", 2, 50.0), skipped, document("kvpush", 2, 40.0), document("upstream-push", 1, 20.0)])
+    by_mode = {r["mode"]: r for r in rows}
+    assert by_mode["kvpush"]["iterations"] == [2] and by_mode["upstream-push"]["iterations"] == [1, 2]
+    assert by_mode["upstream-push"]["cpu_ms_per_request_per_iteration"]["P"] == [20.0, 50.0]
+    assert cpu_verdict(rows)["ratios"][0]["p_per_iteration"] == [None, 0.8]
 
 
 def test_thread_cpu_is_listed_per_iteration_for_each_engine():
