@@ -86,6 +86,7 @@ BARRIER_TIMEOUT_S = 120.0  # one phase with its drain, or the load processes' st
 TOKENS = 256
 TRANSFER_TIMEOUT_S = 300.0  # by default no attempt expires while the benchmark runs
 FLOOR_SERVICE = "kvpush.bench.Floor"  # the bare server of transport_floor
+RENDEZVOUS_SERVICE = "kvpush.rendezvous.v1.RendezvousService"
 FLOOR_MESSAGES = 5_000
 
 
@@ -118,7 +119,11 @@ def core_only(count: int) -> dict:
 
 
 def _floor_server(port_out: multiprocessing.Queue, cpu: int | None, answer: bytes, order: bytes) -> None:
-    """A bare grpc.aio server on the control plane's event loop: answers each stream message with `answer`, or streams `order` n times; no other work."""
+    """A bare grpc.aio server on the control plane's event loop: answers each stream message with `answer`, or streams `order` n times; no other work.
+
+    It answers on RendezvousService/EngineReports too, so kvpush's own
+    client can stream to it (bench/engine_stream_cost.py).
+    """
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
 
@@ -134,7 +139,8 @@ def _floor_server(port_out: multiprocessing.Queue, cpu: int | None, answer: byte
         server = grpc.aio.server()
         handlers = {"AnswerEach": grpc.stream_stream_rpc_method_handler(answer_each),
                     "StreamOrders": grpc.unary_stream_rpc_method_handler(stream_orders)}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR_SERVICE, handlers),))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR_SERVICE, handlers),
+                                         grpc.method_handlers_generic_handler(RENDEZVOUS_SERVICE, {"EngineReports": handlers["AnswerEach"]})))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         port_out.put(port)

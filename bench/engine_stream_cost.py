@@ -7,7 +7,8 @@ sweep's per-thread table), most of it on the control loop and gRPC's
 threads, for the two or three stream messages a transfer takes per engine.
 This measures that per message, apart from the engines and the broker: a
 bare grpc.aio server in another process (on CPU 0) answers every message on
-`RendezvousService/EngineReports` at once with an answer-sized message, and
+`RendezvousService/EngineReports` at once with an answer-sized message
+(bench/broker_capacity.py's transport-floor server), and
 this process (on CPU 1) sends one registration per message, one in flight,
 
 * bare: grpc.aio's write and read of each message on the engine's control
@@ -37,15 +38,14 @@ from collections.abc import Iterator
 
 import grpc
 
+from bench.broker_capacity import RENDEZVOUS_SERVICE, SERVER_CPU, _floor_server
 from kvpush.client import BrokerClient, ClientConfig, LoopThread
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.processes import name_os_thread
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.server import run_event_loop
 
-SERVICE = "kvpush.rendezvous.v1.RendezvousService"
 LOOP_THREAD = "kvpush-control"
 SWITCHES = "context switches"
 START_TIMEOUT_S = 20.0
@@ -59,26 +59,6 @@ def _messages() -> tuple[rv_pb.RegisterDestinationRequest, rv_pb.EngineReportsRe
     answer = rv_pb.EngineReportsResponse()
     answer.registrations.add(key=registration.key).response.state = tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
     return registration, answer
-
-
-def _server(port_out: multiprocessing.Queue, answer: bytes) -> None:
-    """Answers every EngineReports message at once, on the control plane's event loop, alone on CPU 0."""
-    os.sched_setaffinity(0, {0})
-
-    async def answer_each(requests, context) -> None:
-        async for _ in requests:
-            await context.write(answer)
-
-    async def serve() -> None:
-        server = grpc.aio.server()
-        handlers = {"EngineReports": grpc.stream_stream_rpc_method_handler(answer_each)}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        port_out.put(port)
-        await server.wait_for_termination()
-
-    run_event_loop(serve())
 
 
 def _thread_cpu() -> dict[str, float]:
@@ -114,7 +94,7 @@ def bare(loop: LoopThread, address: str, request: bytes, count: int, gap_s: floa
 
     async def run() -> dict[str, float]:
         async with grpc.aio.insecure_channel(address, options=ClientConfig(target=address).channel_options("rendezvous")) as channel:
-            call = channel.stream_stream(f"/{SERVICE}/EngineReports")(timeout=count * (gap_s + 1) + 60)
+            call = channel.stream_stream(f"/{RENDEZVOUS_SERVICE}/EngineReports")(timeout=count * (gap_s + 1) + 60)
             for i in range(WARM_UP + count):
                 if i == WARM_UP:
                     before = _thread_cpu()
@@ -164,7 +144,7 @@ def bare_server(answer: bytes) -> Iterator[str]:
     """The bare server in its own process, for as long as the block runs: yields its address."""
     context = multiprocessing.get_context("spawn")  # no gRPC state inherited
     port_out = context.Queue()
-    server = context.Process(target=_server, args=(port_out, answer), daemon=True)
+    server = context.Process(target=_floor_server, args=(port_out, SERVER_CPU, answer, b""), daemon=True)
     server.start()
     try:
         yield f"127.0.0.1:{port_out.get(timeout=START_TIMEOUT_S)}"
