@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.sweep.measure import THREAD_FLOOR_MS
 from kvpush.report.breakdown import SEGMENTS, percentile
 
 # Targets (issue "Benchmarks: reproduce the push-vs-pull study on this machine").
@@ -241,7 +242,7 @@ def ttft_ratio_bounds(row: dict[str, Any], side: Sequence[dict[str, Any]]) -> di
 
 def kvpush_thread_cpu_ms(kv: dict[str, Any], engine: str, prefixes: tuple[str, ...] = KVPUSH_THREAD_PREFIXES) -> float | None:
     """ms per request of the threads only kvpush's engines run (or those of `prefixes`), mean over the runs (a run lists a
-    thread only if it had at least 0.5 ms per request)."""
+    thread only if it had at least THREAD_FLOOR_MS per request)."""
     threads = kv.get("thread_cpu_ms_per_request", {}).get(engine)
     if not threads or not kv.get("runs"):
         return None
@@ -357,7 +358,7 @@ def cpu_verdict_lines(verdict: dict[str, Any]) -> list[str]:
                     for r in cpu["ratios"]) + ")",
         "  bound: the same with kvpush's own threads (kvpush-*, gRPC's event_engine) costing nothing: "
         + "; ".join(f"{r['point']}: {_fmt(r.get('p_without_kvpush_threads'), 2)}, {_fmt(r.get('d_without_kvpush_threads'), 2)}" for r in cpu["ratios"]),
-        "  of kvpush's own threads, tracing's (kvpush-spans-*, kvpush-otel-exp; a thread under 0.5 ms per request is not counted), "
+        f"  of kvpush's own threads, tracing's (kvpush-spans-*, kvpush-otel-exp; a thread under {THREAD_FLOOR_MS:g} ms per request is not counted), "
         "ms per request, P, D: "
         + "; ".join(f"{r['point']}: {_fmt(r.get('p_tracing_threads_ms'), 2)}, {_fmt(r.get('d_tracing_threads_ms'), 2)}" for r in cpu["ratios"]),
     ]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from bench.sweep.grid import Point, build_grid, make_workload, requests_for
+from bench.sweep.measure import thread_breakdown
 from bench.sweep.report import cpu_verdict, per_thread, targets, upstream_side_table
 
 MODES = ("kvpush", "upstream-push", "pull")
@@ -166,3 +167,9 @@ def test_tracing_s_threads_are_told_apart_from_kvpush_s_others():
     assert ratios["p_tracing_threads_ms"] == 2.0 and ratios["p_without_kvpush_threads"] == 46.0 / 50.0
     assert ratios["d_tracing_threads_ms"] == 0.0
     assert cpu_verdict([side(1, "kvpush", 50.0, 100.0), side(1, "upstream-push", 50.0, 100.0)])["ratios"][0]["p_without_kvpush_threads"] is None
+
+
+def test_thread_cpu_lists_each_thread_from_the_floor_up_per_request():
+    before = {"P/kvpush-control-": 1.0, "P/event_engine": 2.0, "P/gone": 1.0}
+    after = {"P/kvpush-control-": 1.030, "P/event_engine": 2.020, "P/new": 0.005}  # 100 requests: 0.3, 0.2 and 0.05 ms each
+    assert thread_breakdown(before, after, 100) == {"P/kvpush-control-": 0.3}
