@@ -86,7 +86,6 @@ BARRIER_TIMEOUT_S = 120.0  # one phase with its drain, or the load processes' st
 TOKENS = 256
 TRANSFER_TIMEOUT_S = 300.0  # by default no attempt expires while the benchmark runs
 FLOOR_SERVICE = "kvpush.bench.Floor"  # the bare server of transport_floor
-RENDEZVOUS_SERVICE = "kvpush.rendezvous.v1.RendezvousService"
 FLOOR_MESSAGES = 5_000
 
 
@@ -140,7 +139,7 @@ def _floor_server(port_out: multiprocessing.Queue, cpu: int | None, answer: byte
         handlers = {"AnswerEach": grpc.stream_stream_rpc_method_handler(answer_each),
                     "StreamOrders": grpc.unary_stream_rpc_method_handler(stream_orders)}
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(FLOOR_SERVICE, handlers),
-                                         grpc.method_handlers_generic_handler(RENDEZVOUS_SERVICE, {"EngineReports": handlers["AnswerEach"]})))
+                                         grpc.method_handlers_generic_handler(BrokerClient.SERVICE, {"EngineReports": handlers["AnswerEach"]})))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         port_out.put(port)

@@ -35,13 +35,14 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
-from bench.broker_capacity import RENDEZVOUS_SERVICE, SERVER_CPU, _floor_server
+from bench.broker_capacity import SERVER_CPU, _floor_server
 from kvpush.client import BrokerClient, ClientConfig, LoopThread
 from kvpush.connector.report_stream import Report, ReportStream
-from kvpush.processes import name_os_thread
+from kvpush.processes import name_os_thread, thread_cpu_seconds, thread_ids
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
@@ -62,17 +63,15 @@ def _messages() -> tuple[rv_pb.RegisterDestinationRequest, rv_pb.EngineReportsRe
 
 
 def _thread_cpu() -> dict[str, float]:
-    """This process's CPU seconds per kernel thread name (threads of one name added up), and its context switches under SWITCHES."""
-    tick = os.sysconf("SC_CLK_TCK")
-    totals: dict[str, float] = {SWITCHES: 0.0}
-    for tid in os.listdir("/proc/self/task"):
+    """This process's CPU seconds per kernel thread name (kvpush.processes.thread_cpu_seconds), and its threads' context switches under SWITCHES."""
+    totals = {key.partition("/")[2]: seconds for key, seconds in thread_cpu_seconds([os.getpid()]).items()}
+    totals[SWITCHES] = 0.0
+    for tid in thread_ids([os.getpid()]):
         try:
-            with open(f"/proc/self/task/{tid}/comm") as comm, open(f"/proc/self/task/{tid}/stat") as stat, open(f"/proc/self/task/{tid}/status") as status:
-                name, fields, lines = comm.read().strip(), stat.read().rsplit(")", 1)[1].split(), status.read().splitlines()
+            with open(f"/proc/self/task/{tid}/status") as status:
+                totals[SWITCHES] += sum(int(line.split()[1]) for line in status if "ctxt_switches:" in line)
         except OSError:
             continue  # the thread ended
-        totals[name] = totals.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-        totals[SWITCHES] += sum(int(line.split()[1]) for line in lines if "ctxt_switches:" in line)
     return totals
 
 
@@ -80,9 +79,7 @@ def _per_message(before: dict[str, float], after: dict[str, float], count: int) 
     used = {name: after[name] - before.get(name, 0.0) for name in after}
     switches = used.pop(SWITCHES)
     # The grpc.aio poller thread is started from the control loop and so carries its kernel name: both count as the loop's.
-    main = threading.main_thread().native_id
-    with open(f"/proc/self/task/{main}/comm") as comm:
-        main_name = comm.read().strip()
+    main_name = Path(f"/proc/self/task/{threading.main_thread().native_id}/comm").read_text().strip()
     grpc_threads = sum(v for name, v in used.items() if name not in (LOOP_THREAD, main_name))
     return {"process_us": sum(used.values()) / count * 1e6, "loop_thread_us": used.get(LOOP_THREAD, 0.0) / count * 1e6,
             "grpc_threads_us": grpc_threads / count * 1e6, "sender_thread_us": used.get(main_name, 0.0) / count * 1e6,
@@ -94,7 +91,7 @@ def bare(loop: LoopThread, address: str, request: bytes, count: int, gap_s: floa
 
     async def run() -> dict[str, float]:
         async with grpc.aio.insecure_channel(address, options=ClientConfig(target=address).channel_options("rendezvous")) as channel:
-            call = channel.stream_stream(f"/{RENDEZVOUS_SERVICE}/EngineReports")(timeout=count * (gap_s + 1) + 60)
+            call = channel.stream_stream(f"/{BrokerClient.SERVICE}/EngineReports")(timeout=count * (gap_s + 1) + 60)
             for i in range(WARM_UP + count):
                 if i == WARM_UP:
                     before = _thread_cpu()
