@@ -37,6 +37,11 @@ from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 
+# The broker's events a decode engine acts on: those that end a transfer without its KV. Completion is the workers' to
+# see (they count every WRITE's notification), so a decode engine's event stream asks for these alone, which spares it
+# and the broker a message per transfer.
+EVENT_TYPES = (transfer_pb2.TRANSFER_EVENT_TYPE_FAILED, transfer_pb2.TRANSFER_EVENT_TYPE_ENDED)
+
 
 @dataclass
 class DecodeWait:
@@ -128,6 +133,7 @@ class DecodeWaits:
         wait.safe = wait.safe or (fenced and not wait.member_lost)
 
     def on_event(self, event: transfer_pb2.TransferEvent) -> None:
+        """Applies one of the broker's events; a COMPLETED one (from a broker that streams every type) changes nothing."""
         wait = self._by_key_wait((event.key.transfer_id, event.key.attempt))
         if wait is None or event.type == transfer_pb2.TRANSFER_EVENT_TYPE_COMPLETED:
             return  # completion is the workers' to see (every notification counted)

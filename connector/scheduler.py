@@ -29,7 +29,7 @@ from vllm.v1.request import RequestStatus
 from kvpush import errors
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
-from kvpush.connector.decode_waits import DecodeWait, DecodeWaits
+from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWait, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.params import ParamError, TransferParams, parse
@@ -104,7 +104,7 @@ class DecodeScheduler(_Scheduler):
         inbox = self._inbox
         self.session.on_member_left(lambda member, members: inbox.put(("member_left", member, members)))
         self.reports = self.session.report_stream(self.config.engine_id)
-        request = rv_pb.StreamTransferEventsRequest(engine_id=self.config.engine_id, incarnation=self.incarnation)
+        request = rv_pb.StreamTransferEventsRequest(engine_id=self.config.engine_id, incarnation=self.incarnation, event_types=EVENT_TYPES)
 
         def on_event(message: rv_pb.StreamTransferEventsResponse) -> None:
             inbox.put(("event", message.event))

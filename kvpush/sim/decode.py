@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpush.connector.consumer import ConsumerCore
-from kvpush.connector.decode_waits import DecodeWaits
+from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, prompt_digest
 from kvpush.connector.params import TransferParams
 from kvpush.errors import Unavailable
@@ -65,7 +65,7 @@ class DecodeEngine:
 
     def _linked(self) -> None:
         self.ready = True
-        events = rv_pb.StreamTransferEventsRequest(engine_id=D_ENGINE, incarnation=self.incarnation)
+        events = rv_pb.StreamTransferEventsRequest(engine_id=D_ENGINE, incarnation=self.incarnation, event_types=EVENT_TYPES)
         self.link.follow("events", events, lambda: None, self._on_event, lambda: None)
 
     def _on_event(self, message) -> None:

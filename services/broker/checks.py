@@ -19,6 +19,7 @@ from kvpush.services.common import validation
 
 _OUTCOMES = frozenset(tr_pb.WriteOutcome.values()) - {0}
 _END_REASONS = frozenset(tr_pb.EndReason.values()) - {0}
+_EVENT_TYPES = frozenset(tr_pb.TransferEventType.values()) - {0}
 
 
 def identity_mismatch(field: str, named: str, caller: str) -> PermissionDenied:
@@ -31,6 +32,13 @@ def check_caller(engine_id: str, caller_engine_id: str, field: str) -> None:
         return
     validation.check_id(engine_id, field)
     raise identity_mismatch(field, engine_id, caller_engine_id)
+
+
+def event_types(requested) -> frozenset[int] | None:
+    """The event types a decode stream asked for (None: every type); each must be a defined type."""
+    for value in requested:
+        validation.check_enum(value, _EVENT_TYPES, "event_types")
+    return frozenset(requested) if requested else None
 
 
 def check_key(key: tr_pb.TransferKey) -> tuple[str, int]:

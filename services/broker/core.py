@@ -393,7 +393,8 @@ class BrokerCore:
         checks.check_caller(request.engine_id, caller_engine_id, "engine_id")
         self._mailboxes.check_open()
         self._planner.engine(request.engine_id, DECODE, "engine_id", incarnation=request.incarnation, incarnation_field="incarnation", ready=False)
-        subscription = self._mailboxes.open_decoder((request.engine_id, request.incarnation), self._clock.now()).claim()
+        event_types = checks.event_types(request.event_types)
+        subscription = self._mailboxes.open_decoder((request.engine_id, request.incarnation), self._clock.now()).claim(event_types)
         self._machine.resync_decode(subscription)
         subscription.outbox.limit(self._config.outbox_capacity)  # the resync always fits; what follows may overflow
         return subscription

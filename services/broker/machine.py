@@ -254,10 +254,13 @@ class AttemptMachine:
         mailbox = subscription.mailbox
         engine_id, incarnation = mailbox.key
         for message in mailbox.recent:
-            subscription.outbox.put(message)
+            if subscription.wants(message):
+                subscription.outbox.put(message)
         for att in self._store.of_engine(engine_id):
             if att.ended and att.dest is not None and att.d_incarnation == incarnation:
-                subscription.outbox.put(self._messages.event(att, tr_pb.TRANSFER_EVENT_TYPE_FAILED))
+                message = self._messages.event(att, tr_pb.TRANSFER_EVENT_TYPE_FAILED)
+                if subscription.wants(message):
+                    subscription.outbox.put(message)
 
     # ----- what an end sends -----
 

@@ -32,12 +32,17 @@ RESYNC_EVENTS = 4096
 class Subscription:
     """One stream's claim on a mailbox; a newer subscription for the same key replaces it."""
 
-    __slots__ = ("mailbox", "outbox")
+    __slots__ = ("mailbox", "outbox", "event_types")
 
-    def __init__(self, mailbox: ProducerMailbox | DecodeMailbox):
+    def __init__(self, mailbox: ProducerMailbox | DecodeMailbox, event_types: frozenset[int] | None = None):
         self.mailbox = mailbox
         # Unbounded while the core queues the resync; BrokerCore bounds it after.
         self.outbox: Outbox = Outbox(None)
+        self.event_types = event_types  # a decode stream's event types (None: every type)
+
+    def wants(self, event: rv_pb.StreamTransferEventsResponse) -> bool:
+        """Whether this decode stream asked for the event's type."""
+        return self.event_types is None or event.event.type in self.event_types
 
     @property
     def active(self) -> bool:
@@ -59,8 +64,8 @@ class _Mailbox:
         if subscriber is not None:
             subscriber.outbox.put(message)
 
-    def claim(self) -> Subscription:
-        subscription = Subscription(self)  # type: ignore[arg-type]
+    def claim(self, event_types: frozenset[int] | None = None) -> Subscription:
+        subscription = Subscription(self, event_types)  # type: ignore[arg-type]
         previous = self.subscriber
         self.subscriber = subscription
         if previous is not None:
@@ -115,6 +120,12 @@ class DecodeMailbox(_Mailbox):
         # Final events (COMPLETED/ENDED) already sent: a new stream gets them
         # again, since the old one may have lost them in flight.
         self.recent: deque[rv_pb.StreamTransferEventsResponse] = deque(maxlen=recent_capacity)
+
+    def put(self, message: rv_pb.StreamTransferEventsResponse) -> None:
+        """Queues the event on the connected stream, if any, when that stream asked for its type."""
+        subscriber = self.subscriber
+        if subscriber is not None and subscriber.wants(message):
+            subscriber.outbox.put(message)
 
     def put_final(self, message: rv_pb.StreamTransferEventsResponse) -> None:
         self.recent.append(message)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from broker_harness import (
     COMPLETED,
     ENDED,
@@ -19,6 +20,8 @@ from broker_harness import (
     seconds,
 )
 
+from kvpush.errors import InvalidArgument
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common.clock import timestamp
 
@@ -189,6 +192,35 @@ def test_a_decode_engines_new_stream_gets_its_recent_final_events_again_and_fail
         ("t3", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER),
         ("t4", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER),
     ]
+
+
+def test_a_decode_stream_that_asks_for_some_event_types_gets_only_those_live_and_on_resync():
+    """The connector's decode engine asks for FAILED and ENDED only (it counts its WRITEs' notifications itself): no COMPLETED message."""
+    h = Harness()
+    wanted = (FAILED_EVENT, ENDED)
+    h.decode = h.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1", event_types=wanted), D)
+    h.register("t1")
+    h.prefill_done("t1")
+    h.write("t1")  # COMPLETED: not for this stream
+    h.register("t2")
+    h.prefill_done("t2")
+    h.cancel("t2")  # FAILED: its order is unanswered
+    assert h.events() == [("t2", 1, FAILED_EVENT, S.END_REASON_CANCELLED_BY_ROUTER)]
+    h.write("t2", outcome=REVOKED)  # fenced: ENDED
+    assert h.events() == [("t2", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+    # A new stream with the same filter gets the recent final events again, less COMPLETED; one asking for every type gets it.
+    h.decode = h.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1", event_types=wanted), D)
+    assert h.events() == [("t2", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+    h.subscribe_decode()
+    assert h.events() == [("t1", 1, COMPLETED, S.END_REASON_COMPLETED), ("t2", 1, ENDED, S.END_REASON_CANCELLED_BY_ROUTER)]
+
+
+def test_a_decode_stream_naming_an_unknown_event_type_is_refused_with_its_field():
+    h = Harness(subscribe=False)
+    for types, reason in (([0], "FIELD_REQUIRED"), ([ENDED, 99], "FIELD_INVALID")):
+        with pytest.raises(InvalidArgument) as refused:
+            h.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1", event_types=types), D)
+        assert (refused.value.reason, refused.value.metadata["field"]) == (reason, "event_types")
 
 
 def test_a_stream_whose_outbox_would_overflow_is_closed_and_its_next_stream_resyncs():

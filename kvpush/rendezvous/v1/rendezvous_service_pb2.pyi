@@ -184,12 +184,14 @@ class StreamHeartbeat(_message.Message):
     def __init__(self) -> None: ...
 
 class StreamTransferEventsRequest(_message.Message):
-    __slots__ = ("engine_id", "incarnation")
+    __slots__ = ("engine_id", "incarnation", "event_types")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    EVENT_TYPES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     incarnation: str
-    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    event_types: _containers.RepeatedScalarFieldContainer[_transfer_pb2.TransferEventType]
+    def __init__(self, engine_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., event_types: _Optional[_Iterable[_Union[_transfer_pb2.TransferEventType, str]]] = ...) -> None: ...
 
 class StreamTransferEventsResponse(_message.Message):
     __slots__ = ("event",)
