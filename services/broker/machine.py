@@ -38,6 +38,19 @@ from kvpush.services.common import validation
 from kvpush.services.common.clock import Clock
 
 
+def owes_closure(att: Attempt, rank_key) -> bool:
+    """Whether an ended attempt's closure must reach this producer rank.
+
+    A rank that answered WRITTEN released its source when its WRITE
+    completed and answers a repeated order from its own record, so a closure
+    would tell it nothing: one message per rank and transfer spared. Every
+    other rank may still hold the source (its order never came, or it was
+    revoked) and learns from the closure that it can let go.
+    """
+    order = att.orders.get(rank_key)
+    return order is None or order.answer != a.WRITTEN
+
+
 class AttemptMachine:
     """Moves attempts between states; the BrokerCore checks each request before it calls in here."""
 
@@ -246,7 +259,7 @@ class AttemptMachine:
                 mailbox.put(self._messages.revocation(att) if att.ended else self._messages.order(att, rank_key, now, full=not order.early))
             elif order is None and att.state == a.WAITING_FOR_PREFILL and mailbox.early_orders:
                 self.send_orders(att, now, full=False)
-            if att.ended:
+            if att.ended and owes_closure(att, rank_key):
                 mailbox.put(self._messages.closed(att))
 
     def resync_decode(self, subscription: Subscription) -> None:
@@ -265,12 +278,11 @@ class AttemptMachine:
     # ----- what an end sends -----
 
     def _close_producers(self, att: Attempt) -> None:
-        if not att.p_ranks:
-            return
-        closed = self._messages.closed(att)
+        closed = None
         for rank_key in att.p_ranks:
             mailbox = self._mailboxes.producer(rank_key)
-            if mailbox is not None:
+            if mailbox is not None and owes_closure(att, rank_key):
+                closed = closed or self._messages.closed(att)
                 mailbox.put(closed)
 
     def _notify_decode(self, att: Attempt, event_type: int) -> None:

@@ -230,13 +230,16 @@ def test_a_stream_whose_outbox_would_overflow_is_closed_and_its_next_stream_resy
         h.prefill_done(transfer_id)
     old = h.producers[0]
     assert old.active
-    h.write("t1")  # t1's closure would be a third message
+    h.write("t1")  # DONE: the rank that wrote it gets no closure
+    assert old.active
+    h.register("t3")
+    h.prefill_done("t3")  # t3's order would be a third message
     assert not old.active and old.outbox.closed and old.outbox.dropped == 1
     assert [m.order.key.transfer_id for m in old.outbox.drain()] == ["t1", "t2"]  # nothing queued was dropped
     h.unsubscribe_producer(0)
     h.subscribe_producer(0, early=False)
     assert h.producers[0].active
-    assert h.kinds() == [("order", "t2", 1)]
+    assert h.kinds() == [("order", "t2", 1), ("order", "t3", 1)]
 
 
 def test_a_decode_stream_that_overflowed_gets_a_stream_that_lives_after_its_resync():

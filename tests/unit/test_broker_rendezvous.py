@@ -53,7 +53,7 @@ def test_decode_first_then_prefill_done_orders_the_producer_once():
     assert seconds(message.stream_lease) == STREAM_LEASE - SKEW
     assert h.write() == S.TRANSFER_STATE_DONE
     assert h.events() == [("t1", 1, COMPLETED, S.END_REASON_COMPLETED)]
-    assert h.kinds() == [("closed", "t1", 1)]
+    assert h.kinds() == []  # the rank that wrote holds nothing more: no closure for it
     transfer = h.broker.get_transfer("t1", 1)
     assert transfer.fenced and transfer.bytes_written == 4096 and transfer.end_reason == S.END_REASON_COMPLETED
     assert [entry.kind for entry in transfer.timeline] == [
@@ -113,7 +113,7 @@ def test_early_writes_may_finish_before_prefill_done_arrives():
     assert h.write() == S.TRANSFER_STATE_DONE
     assert h.events() == [("t1", 1, COMPLETED, S.END_REASON_COMPLETED)]
     assert h.prefill_done().state == S.TRANSFER_STATE_DONE  # late, not wrong
-    assert h.kinds() == [("closed", "t1", 1)]  # and no second order
+    assert h.kinds() == []  # no second order (and no closure: the only rank wrote)
 
 
 def test_a_late_prefill_done_after_early_writes_completed_is_checked_for_its_token_count():
@@ -200,7 +200,8 @@ def test_a_rank_whose_heads_are_all_written_by_others_gets_no_order():
     h.prefill_done()
     assert len(h.messages(0)) == 1 and h.messages(1) == []
     assert h.write() == S.TRANSFER_STATE_DONE
-    assert h.kinds(1) == [("closed", "t1", 1)]  # every P rank releases its blocks
+    assert h.kinds(1) == [("closed", "t1", 1)]  # the rank that was not ordered learns it may release its blocks
+    assert h.kinds(0) == []  # the rank that wrote released them with its WRITE: no closure for it
 
 
 # ----- idempotency -----
