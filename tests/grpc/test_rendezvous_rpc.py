@@ -94,11 +94,35 @@ async def test_rendezvous_in_either_order(engines, decode_first):
     assert result.state == tr_pb.TRANSFER_STATE_DONE
     event = (await read(events)).event
     assert (event.key.transfer_id, event.type, event.state) == ("t1", tr_pb.TRANSFER_EVENT_TYPE_COMPLETED, tr_pb.TRANSFER_STATE_DONE)
-    assert (await next_message(orders)).closed.state == tr_pb.TRANSFER_STATE_DONE
     transfer = (await get_transfer(decode, "t1")).transfer
     assert transfer.fenced and transfer.bytes_written == 4096
+    # The rank that wrote gets no closure for t1: the next message on its stream is t2's order.
+    await decode.broker.RegisterDestination(sample.destination_request("t2", first_block=8), metadata=decode.metadata, timeout=T)
+    await prefill.broker.ReportPrefillDone(sample.prefill_done_request("t2", first_block=8), metadata=prefill.metadata, timeout=T)
+    assert (await next_message(orders)).order.key.transfer_id == "t2"
     orders.cancel()
     events.cancel()
+
+
+async def test_a_decode_engine_that_asks_for_failures_only_gets_no_completed_event(engines):
+    """D's scheduler streams FAILED and ENDED only (its workers count the WRITEs' notifications): t1's completion is not sent."""
+    prefill, decode = engines
+    request = rv_pb.StreamTransferEventsRequest(engine_id="decode-0", incarnation="inc-1",
+                                                event_types=(tr_pb.TRANSFER_EVENT_TYPE_FAILED, tr_pb.TRANSFER_EVENT_TYPE_ENDED))
+    events = decode.broker.StreamTransferEvents(request, metadata=decode.metadata, timeout=T)
+    await asyncio.wait_for(events.initial_metadata(), WAIT_S)
+    await decode.broker.RegisterDestination(sample.destination_request("t1"), metadata=decode.metadata, timeout=T)
+    await prefill.broker.ReportPrefillDone(sample.prefill_done_request("t1"), metadata=prefill.metadata, timeout=T)
+    assert (await prefill.broker.ReportWriteResult(written("t1"), metadata=prefill.metadata, timeout=T)).state == tr_pb.TRANSFER_STATE_DONE
+    await decode.broker.RegisterDestination(sample.destination_request("t2", first_block=8), metadata=decode.metadata, timeout=T)
+    await cancel(decode, "t2", 0, "client left")
+    event = (await read(events)).event
+    assert (event.key.transfer_id, event.type) == ("t2", tr_pb.TRANSFER_EVENT_TYPE_ENDED)
+    events.cancel()
+    # An unknown type is refused with its field.
+    request.event_types.append(99)
+    refused = decode.broker.StreamTransferEvents(request, metadata=decode.metadata, timeout=T)
+    await expect_rpc_error(refused.read(), grpc.StatusCode.INVALID_ARGUMENT, "FIELD_INVALID", "event_types")
 
 
 async def test_early_orders_arrive_at_registration(engines):
