@@ -16,6 +16,8 @@ this process (on CPU 1) sends one registration per message, one in flight,
 * kvpush: the connector's ReportStream through BrokerClient, the item
   handed over from another thread and its answer delivered, as D's
   scheduler sends its registrations,
+* sync: gRPC's synchronous API instead of grpc.aio, the sending thread
+  blocking on the answer (no control loop, no poller thread in between),
 
 back to back and paced (`--gaps-ms`: an engine at QPS 4 sends about one
 message every 250 ms per kind). Printed per answered message: the CPU of
@@ -32,6 +34,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -106,6 +109,29 @@ def bare(loop: LoopThread, address: str, request: bytes, count: int, gap_s: floa
     return loop.call(run(), timeout_s=count * (gap_s + 1) + 120)
 
 
+def sync(address: str, request: bytes, count: int, gap_s: float) -> dict[str, float]:
+    """gRPC's synchronous API: the message queued for gRPC's request iterator, its answer read by this thread blocking on the call."""
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def requests() -> Iterator[bytes]:
+        while (item := outbox.get()) is not None:
+            yield item
+
+    with grpc.insecure_channel(address, options=ClientConfig(target=address).channel_options("rendezvous")) as channel:
+        answers = channel.stream_stream(f"/{BrokerClient.SERVICE}/EngineReports")(requests(), timeout=count * (gap_s + 1) + 60)
+        try:
+            for i in range(WARM_UP + count):
+                if i == WARM_UP:
+                    before = _thread_cpu()
+                outbox.put(request)
+                next(answers)  # StopIteration (the server ended the stream) or RpcError end the run
+                time.sleep(gap_s)
+            return _per_message(before, _thread_cpu(), count)
+        finally:
+            outbox.put(None)
+            answers.cancel()
+
+
 def kvpush(loop: LoopThread, address: str, registration: rv_pb.RegisterDestinationRequest, count: int, gap_s: float) -> dict[str, float]:
     """kvpush's ReportStream: each registration handed over from this thread, its answer awaited here, then gap_s."""
     broker = BrokerClient(ClientConfig(target=address, default_timeout_s=CALL_TIMEOUT_S))
@@ -154,7 +180,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gaps-ms", default="0,40,250", help="pauses after each answer, ms (0: back to back)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each paced phase runs (back to back: 2,000 messages)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds, the two ways alternated in each")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds, the three ways in turn in each")
     args = parser.parse_args()
     try:
         gaps = [float(g) / 1000 for g in args.gaps_ms.split(",")]
@@ -182,17 +208,22 @@ def main() -> int:
 
 def _measure(loop: LoopThread, address: str, registration: rv_pb.RegisterDestinationRequest, request: bytes, gaps: list[float],
              seconds: float, repeats: int) -> list[dict]:
-    """Both ways at each pause, alternated, `repeats` rounds; prints a line per phase."""
+    """Each way at each pause in turn, `repeats` rounds; prints a line per phase."""
     results = []
     print(f"GRPC_EXPERIMENTS={os.environ.get('GRPC_EXPERIMENTS', '')!r}; per answered message: CPU (us) of this process, of the control loop "
-          "(with grpc.aio's poller), of gRPC's other threads (event_engine, timers), of the sending thread (the harness's waits too); "
+          "(with grpc.aio's poller), of gRPC's other threads (event_engine, timers), of the sending thread (the harness's waits too; for sync also its blocking read of the answer); "
           "context switches of all its threads")
     print(f"{'way':<7}{'gap ms':>8}{'messages':>10}{'process us':>12}{'loop':>8}{'gRPC':>8}{'sender':>8}{'switches':>10}")
     for repeat in range(1, repeats + 1):
         for gap in gaps:
             count = 2000 if gap == 0 else max(20, int(seconds / gap))
-            for way in ("bare", "kvpush"):
-                figures = bare(loop, address, request, count, gap) if way == "bare" else kvpush(loop, address, registration, count, gap)
+            for way in ("bare", "kvpush", "sync"):
+                if way == "bare":
+                    figures = bare(loop, address, request, count, gap)
+                elif way == "kvpush":
+                    figures = kvpush(loop, address, registration, count, gap)
+                else:
+                    figures = sync(address, request, count, gap)
                 results.append({"way": way, "gap_ms": gap * 1000, "messages": count, "repeat": repeat, **figures})
                 print(f"{way:<7}{gap * 1000:>8g}{count:>10}{figures['process_us']:>12.0f}{figures['loop_thread_us']:>8.0f}"
                       f"{figures['grpc_threads_us']:>8.0f}{figures['sender_thread_us']:>8.0f}{figures['context_switches']:>10.1f}", flush=True)
