@@ -267,13 +267,10 @@ class AttemptMachine:
         mailbox = subscription.mailbox
         engine_id, incarnation = mailbox.key
         for message in mailbox.recent:
-            if subscription.wants(message):
-                subscription.outbox.put(message)
+            subscription.offer(message)
         for att in self._store.of_engine(engine_id):
             if att.ended and att.dest is not None and att.d_incarnation == incarnation:
-                message = self._messages.event(att, tr_pb.TRANSFER_EVENT_TYPE_FAILED)
-                if subscription.wants(message):
-                    subscription.outbox.put(message)
+                subscription.offer(self._messages.event(att, tr_pb.TRANSFER_EVENT_TYPE_FAILED))
 
     # ----- what an end sends -----
 

@@ -40,9 +40,10 @@ class Subscription:
         self.outbox: Outbox = Outbox(None)
         self.event_types = event_types  # a decode stream's event types (None: every type)
 
-    def wants(self, event: rv_pb.StreamTransferEventsResponse) -> bool:
-        """Whether this decode stream asked for the event's type."""
-        return self.event_types is None or event.event.type in self.event_types
+    def offer(self, event: rv_pb.StreamTransferEventsResponse) -> None:
+        """Queues a decode event when this stream asked for its type (every type when it named none)."""
+        if self.event_types is None or event.event.type in self.event_types:
+            self.outbox.put(event)
 
     @property
     def active(self) -> bool:
@@ -124,8 +125,8 @@ class DecodeMailbox(_Mailbox):
     def put(self, message: rv_pb.StreamTransferEventsResponse) -> None:
         """Queues the event on the connected stream, if any, when that stream asked for its type."""
         subscriber = self.subscriber
-        if subscriber is not None and subscriber.wants(message):
-            subscriber.outbox.put(message)
+        if subscriber is not None:
+            subscriber.offer(message)
 
     def put_final(self, message: rv_pb.StreamTransferEventsResponse) -> None:
         self.recent.append(message)
