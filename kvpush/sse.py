@@ -25,7 +25,7 @@ class MalformedEvent(ValueError):
 
 
 class SseDecoder:
-    """Decodes an event stream fed line by line.
+    """Decodes an event stream fed line by line (feed, feed_data) or in pieces cut anywhere (feed_chunk).
 
     `skip_malformed` drops events whose data is not JSON (what a proxy that
     only peeks at the stream wants); otherwise they raise `MalformedEvent`.
@@ -34,6 +34,7 @@ class SseDecoder:
     def __init__(self, *, skip_malformed: bool = False):
         self.skip_malformed = skip_malformed
         self._data: list[str] = []
+        self._partial = b""  # feed_chunk: the unfinished line at the end of the last piece
 
     def feed(self, line: bytes | str) -> list[Any]:
         """The payloads of the events `line` ends: [] until a blank line ends one, then that event's decoded JSON (or `DONE`)."""
@@ -52,6 +53,18 @@ class SseDecoder:
             return []
         data, self._data = "\n".join(self._data), []
         return [data]
+
+    def feed_chunk(self, chunk: bytes) -> list[str]:
+        """feed_data over a piece of the stream cut anywhere (as a socket read returns it); b"" ends the stream.
+
+        Complete lines are fed; an unfinished one waits for the next piece,
+        and so does a final "\r", whose "\n" may come in the next piece.
+        """
+        lines = (self._partial + chunk).splitlines(keepends=True)
+        self._partial = b""
+        if chunk and lines and (lines[-1].endswith(b"\r") or not lines[-1].endswith(b"\n")):
+            self._partial = lines.pop()
+        return [data for line in lines for data in self.feed_data(line)]
 
     def _decode(self, data: str) -> list[Any]:
         if data.strip() == DONE:

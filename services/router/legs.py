@@ -180,11 +180,11 @@ class DecodeLeg:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise failure_from_exception(DECODE, self.endpoint, exc, config.request_timeout_s) from exc
 
-    async def next_line(self) -> bytes:
-        """The next line of a streamed answer (b"" at its end), waiting at most first_token_timeout_s."""
+    async def next_chunk(self) -> bytes:
+        """What the streamed answer has next, as it arrived (b"" at its end), waiting at most first_token_timeout_s."""
         assert self.response is not None
         async with asyncio.timeout(self.router.config.first_token_timeout_s):
-            return await self.response.content.readline()
+            return await self.response.content.readany()
 
     def close(self, *, abort: bool, error: str | None = None) -> None:
         """Ends the leg; abort closes the connection, which makes vLLM abort the request."""

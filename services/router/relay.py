@@ -51,12 +51,12 @@ async def respond(router: Router, request: web.Request, ctx: RequestContext, ope
         await response.prepare(request)
         finished = False  # the [DONE] marker went out: the client has the whole answer
         try:
-            for line in decode.buffered:
-                await response.write(line)
+            await response.write(b"".join(decode.buffered))
             _record_first_output(router, ctx)
             while True:
                 try:
-                    line = await decode.next_line()
+                    # Relayed as it arrives, not line by line: one write to the client per read, not two per event.
+                    chunk = await decode.next_chunk()
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     error = f"decode leg to {decode.endpoint} broke off after output started: {type(exc).__name__}: {exc}"
                     ctx.failure_reason = OUTPUT_BROKE_OFF
@@ -67,12 +67,12 @@ async def respond(router: Router, request: web.Request, ctx: RequestContext, ope
                     event = error_body(502, error, reason=OUTPUT_BROKE_OFF, leg=DECODE, engine_id=decode.endpoint.engine_id, transfer_id=ctx.transfer_id)
                     await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
                     break
-                if not line:
+                if not chunk:
                     break
                 # Read before the write: a client that hangs up on the blank line ending [DONE] has its answer.
                 # Undecoded: the chunks pass through, and JSON-decoding each would cost the router CPU per token.
-                finished = finished or any(data.strip() == DONE for data in decode.events.feed_data(line))
-                await response.write(line)
+                finished = finished or any(data.strip() == DONE for data in decode.events.feed_chunk(chunk))
+                await response.write(chunk)
             decode.close(abort=False)
             await response.write_eof()
         except ConnectionResetError:

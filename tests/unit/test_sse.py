@@ -61,3 +61,30 @@ async def test_async_lines():
             yield line
 
     assert [p async for p in sse_payloads_async(lines())] == [{"a": 1}, DONE]
+
+
+@pytest.mark.parametrize("body", [
+    b'data: {"a": 1}\n\ndata: {"b": "x\\ny"}\n\n: comment\n\ndata: [DONE]\n\n',
+    b'data: {"a": 1}\r\n\r\ndata: [1,\r\ndata: 2]\r\n\r\ndata: [DONE]\r\n\r\n',
+    b'data: {"a": 1}\r\rdata: [DONE]\r\r',
+])
+def test_a_stream_cut_anywhere_gives_the_events_its_lines_give(body):
+    line_decoder = SseDecoder()
+    by_lines = [data for line in body.splitlines(keepends=True) for data in line_decoder.feed_data(line)]
+    assert len(by_lines) >= 2 and by_lines[-1] == DONE
+    for step in (1, 2, 3, 5, 7, 11, len(body)):
+        decoder = SseDecoder()
+        pieces = [body[i:i + step] for i in range(0, len(body), step)]
+        assert [data for piece in pieces for data in decoder.feed_chunk(piece)] + decoder.feed_chunk(b"") == by_lines, step
+    # Every cut in two, between "\r" and "\n" included: that "\r\n" is one line ending, not a line and a blank line.
+    for cut in range(len(body) + 1):
+        decoder = SseDecoder()
+        assert decoder.feed_chunk(body[:cut]) + decoder.feed_chunk(body[cut:]) + decoder.feed_chunk(b"") == by_lines, cut
+
+
+def test_an_unfinished_event_waits_for_its_blank_line_across_pieces():
+    decoder = SseDecoder()
+    assert decoder.feed_chunk(b'data: {"a"') == []
+    assert decoder.feed_chunk(b': 1}\n') == []
+    assert decoder.feed_chunk(b"\r") == []  # a "\r" may be half of "\r\n": held
+    assert decoder.feed_chunk(b"\n") == ['{"a": 1}']
