@@ -62,7 +62,7 @@ class SseDecoder:
         """
         lines = (self._partial + chunk).splitlines(keepends=True)
         self._partial = b""
-        if chunk and lines and (lines[-1].endswith(b"\r") or not lines[-1].endswith(b"\n")):
+        if chunk and lines and not lines[-1].endswith(b"\n"):  # a final "\r" too
             self._partial = lines.pop()
         return [data for line in lines for data in self.feed_data(line)]
 
