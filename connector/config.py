@@ -106,7 +106,8 @@ class ConnectorConfig(Settings):
         convert=_ms_or_auto,
         at_least=0,
         help="NIXL's own progress thread (C++, no GIL), sleeping on the UCX worker's events and waking at least every this many ms; "
-        '0: none (UCX progresses only when kvpush\'s transfer thread polls); "auto" (default): 5 for a KV cache in host memory, '
+        '0: none (UCX progresses only when kvpush\'s transfer thread polls); "auto" (default): for a KV cache in host memory 100 on a '
+        'prefill engine and 5 on a decode engine, '
         "0 for one in GPU memory (measured: docs/benchmarks.md, docs/gpu-datapath.md)",
     )
     idle_poll_ms: float = setting(

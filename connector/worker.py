@@ -39,7 +39,10 @@ from kvpush.services.common.clock import SystemClock
 logger = logging.getLogger(__name__)
 
 TRANSFER_FORMAT = "kvpush1"
-AUTO_PROGRESS_THREAD_MS = 5  # nixl_progress_thread_ms "auto" for a KV cache in host memory
+# nixl_progress_thread_ms "auto" for a KV cache in host memory, by role. UCX's events wake the thread whatever its delay,
+# so the delay sets how often an idle engine pays for a wake-up (~15-20 us each here): a prefill engine's WRITEs complete
+# on those events alone, while a decode engine's notifications arrived later with 100 ms (docs/benchmarks.md).
+AUTO_PROGRESS_THREAD_MS = {"prefill": 100, "decode": 5}
 AUTO_WAITING_POLL_MS = 5  # waiting_poll_ms "auto" for a KV cache in host memory
 
 
@@ -104,7 +107,7 @@ class KvpushWorker:
         name = f"{self.config.engine_id}.{self.incarnation[:12]}.tp{self.tp_rank}.pp{self.pp_rank}"
         progress_thread_ms = self.config.nixl_progress_thread_ms
         if progress_thread_ms is None:  # "auto": it saves ~1.5 ms per WRITE between host memories, nothing on GPUs
-            progress_thread_ms = 0 if self.memory_is_device else AUTO_PROGRESS_THREAD_MS
+            progress_thread_ms = 0 if self.memory_is_device else AUTO_PROGRESS_THREAD_MS[self.config.role]
         self.agent = KvAgent(name, list(self.config.backends), "VRAM" if self.memory_is_device else "DRAM", progress_thread_ms)
         self.agent.register(ranges)
         request = reg_pb.RegisterEngineRankRequest(

@@ -76,3 +76,53 @@ def test_progress_thread_sleeps_and_moves_a_write_with_its_notification():
     finally:
         producer.close()
         consumer.close()
+
+
+def voluntary_switches(tids: set[int]) -> int:
+    total = 0
+    for tid in tids:
+        with open(f"/proc/self/task/{tid}/status") as status:
+            total += next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+    return total
+
+
+def test_a_producers_progress_thread_wakes_on_ucx_events_not_its_delay():
+    # Why "auto" can give a prefill engine a long delay: its thread sleeps in poll() on UCX's events, so a WRITE's
+    # completion wakes it at once; the delay only bounds its idle wake-ups. With 10 s, a wake-up within 0.3 s of the
+    # post can only be an event.
+    source = np.arange(SIZE, dtype=np.uint8)
+    target = np.zeros(SIZE, dtype=np.uint8)
+    before = thread_ids()
+    producer = agent_over("pt-long-producer", source, 10_000)
+    producer_threads = thread_ids() - before
+    consumer = agent_over("pt-long-consumer", target, 5)
+    try:
+        peer = producer.add_peer(consumer.metadata())
+        consumer.add_peer(producer.metadata())
+        src, dst = np.array([source.ctypes.data], dtype=np.uint64), np.array([target.ctypes.data], dtype=np.uint64)
+        lengths = np.array([SIZE], dtype=np.uint64)
+        producer.warm_up(peer)
+        notes, deadline = [], time.monotonic() + WAIT_S
+        while not notes and time.monotonic() < deadline:  # the connection is up once the hello arrived
+            notes = consumer.notifications().get("pt-long-producer", [])
+            time.sleep(0.005)
+        assert notes, "the hello did not arrive within 10 s"
+        time.sleep(0.1)  # the set-up's own wake-ups are over
+        write = producer.make_write(peer, src, dst, lengths, 0, 0, b"kvpush-test|2")
+        switches = voluntary_switches(producer_threads)
+        producer.start(write)
+        time.sleep(0.3)  # nobody polls the producer meanwhile
+        woke = voluntary_switches(producer_threads) - switches
+        state = producer.poll(write)
+        producer.release(write)
+        notes = []
+        while not notes and time.monotonic() < deadline:
+            notes = consumer.notifications().get("pt-long-producer", [])
+            time.sleep(0.001)
+        assert woke >= 1, "the producer's progress thread slept through its WRITE's completion"
+        assert state == "DONE"
+        assert notes == [b"kvpush-test|2"]
+        assert np.array_equal(target, source)
+    finally:
+        producer.close()
+        consumer.close()
