@@ -193,34 +193,27 @@ def _started_in(frames: list[str]) -> str:
     return re.sub(r":\d+\)$", ")", start)
 
 
+# A native thread by the start of its kernel name; a Python thread by the function it started in.
+NATIVE = (("event_engine", "gRPC event_engine threads (native)"), ("gloo_tcp_loop", "gloo TCP loop (native)"),
+          ("ZMQbg", "ZeroMQ I/O (native)"), ("VLLM::Worker", "NIXL / UCX threads in the worker (native)"))
+STARTED_IN = (("TransferThread._run", "kvpush transfer thread"), ("LoopThread._run", "kvpush control loops (engine streams, calls)"),
+              ("BatchProcessor.worker", "kvpush tracing (spans, their export)"), ("Spans._run", "kvpush tracing (spans, their export)"),
+              ("process_input_sockets", "vLLM engine core I/O threads"), ("process_output_sockets", "vLLM engine core I/O threads"))
+
+
 def category(comm: str, thread: tuple[str, str, int] | list | None) -> str:
     """What a thread is, from its kernel name and (when py-spy saw it run Python) its Python name and start."""
     if thread is None:
-        if comm == "event_engine":
-            return "gRPC event_engine threads (native)"
-        if comm == "gloo_tcp_loop":
-            return "gloo TCP loop (native)"
-        if comm.startswith("ZMQbg"):
-            return "ZeroMQ I/O (native)"
-        if comm.startswith("VLLM::Worker"):
-            return "NIXL / UCX threads in the worker (native)"
-        return "other native threads"
+        return next((what for prefix, what in NATIVE if comm.startswith(prefix)), "other native threads")
     name, started_in, _ = thread
-    if "TransferThread._run" in started_in:
-        return "kvpush transfer thread"
-    if "LoopThread._run" in started_in:
-        return "kvpush control loops (engine streams, calls)"
-    if "BatchProcessor.worker" in started_in or "Spans._run" in started_in:
-        return "kvpush tracing (spans, their export)"
-    if name == "MainThread":
-        if "worker_busy_loop" in started_in:
-            return "vLLM worker main thread"
-        if comm.startswith("VLLM::EngineCor"):
-            return "vLLM engine core main thread"
-        return "vLLM API server main thread"
-    if "process_input_sockets" in started_in or "process_output_sockets" in started_in:
-        return "vLLM engine core I/O threads"
-    return "other Python threads"
+    known = next((what for function, what in STARTED_IN if function in started_in), None)
+    if known is not None:
+        return known
+    if name != "MainThread":
+        return "other Python threads"
+    if "worker_busy_loop" in started_in:
+        return "vLLM worker main thread"
+    return "vLLM engine core main thread" if comm.startswith("VLLM::EngineCor") else "vLLM API server main thread"
 
 
 def run_costs(directory: Path, pattern: str = "*") -> tuple[dict[str, collections.Counter], int]:
