@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "record":
         sweep_args = args.sweep_args[1:] if args.sweep_args[:1] == ["--"] else args.sweep_args
+        if not sweep_args:  # the sweep's defaults are its whole grid in every mode: hours, never what a profile wants
+            parser.error("record needs the sweep's arguments after -- (its modes and points, e.g. -- --modes kvpush --input-lens 256 --qps 4)")
         if not any(a == "--results-dir" or a.startswith("--results-dir=") for a in sweep_args):
             sweep_args = [*sweep_args, "--results-dir", str(args.out.resolve() / "sweep")]
         return record(args.checkout.resolve(), args.out.resolve(), args.vllm_spin_ms, sweep_args)

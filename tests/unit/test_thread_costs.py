@@ -135,3 +135,11 @@ def test_record_refuses_a_folder_that_is_not_a_kvpush_checkout(tmp_path, capsys)
         pytest.skip("py-spy is not installed")
     assert thread_costs.main(["record", "--checkout", str(tmp_path), "--out", str(tmp_path / "out"), "--", "--modes", "kvpush"]) == 2
     assert f"{tmp_path} has no bench.sweep" in capsys.readouterr().err
+
+
+def test_record_wants_the_sweeps_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        thread_costs.main(["record", "--out", str(tmp_path / "out")])
+    assert stopped.value.code == 2
+    assert "record needs the sweep's arguments after --" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
