@@ -69,7 +69,11 @@ if {hooks!r}:
 # ----- record -----
 
 def thread_cpu(pids: list[int]) -> dict[str, dict[str, Any]]:
-    """Thread id -> its process, kernel name and user + system CPU seconds, over the given processes."""
+    """Thread id -> its process, kernel name and user + system CPU seconds, over the given processes.
+
+    Not kvpush.processes.thread_cpu_seconds: that one adds threads up by kernel name, which an older commit's threads
+    share, and in record's child `kvpush` is the recorded checkout's, which may not have it.
+    """
     rows = {}
     for pid in pids:
         try:
