@@ -18,7 +18,7 @@ from kvpush.layout.geometry import TORCH_DTYPES, describe_layer
 
 @dataclass(frozen=True)
 class LayerTensor:
-    """One attention layer's KV cache tensor ([blocks, heads, block_size, 2 * head_size])."""
+    """One attention layer's KV cache tensor ([blocks, heads, block_size, 2 * head_size], MLA: [blocks, block_size, head_size])."""
 
     layer_index: int
     name: str
@@ -28,10 +28,11 @@ class LayerTensor:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One KV cache group: its block size and block count."""
+    """One KV cache group: its block size, block count and attention kind (engine_pb2.KvCacheGroupKind)."""
 
     block_size: int
     num_blocks: int
+    kind: int = engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
 
 
 def first_head_of(tp_rank: int, tp_size: int, total_heads: int, local_heads: int) -> int:
@@ -67,8 +68,7 @@ def build_layout(
         memory_kind=engine_pb2.MEMORY_KIND_DRAM,
     )
     for index, group in enumerate(groups):
-        layout.groups.add(group_index=index, kind=engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION,
-                          block_size=group.block_size, num_blocks=group.num_blocks)
+        layout.groups.add(group_index=index, kind=group.kind, block_size=group.block_size, num_blocks=group.num_blocks)
     ranges: list[MemoryRange] = []
     device = 0
     for layer in sorted(layers, key=lambda layer: layer.layer_index):
@@ -79,7 +79,8 @@ def build_layout(
         group = groups[layer.group_index]
         for plane in describe_layer(backend, tuple(tensor.shape), tuple(tensor.stride()), tensor.data_ptr(), tensor.element_size(),
                                     num_blocks=group.num_blocks, block_size=group.block_size,
-                                    num_local_heads=num_local_heads, head_size=head_size, layer_index=layer.layer_index):
+                                    num_local_heads=num_local_heads, head_size=head_size, layer_index=layer.layer_index,
+                                    latent=group.kind == engine_pb2.KV_CACHE_GROUP_KIND_MLA):
             layout.regions.add(layer_name=layer.name, layer_index=layer.layer_index, group_index=layer.group_index,
                                plane=plane.plane, base_address=plane.base, block_stride_bytes=plane.block_stride,
                                head_stride_bytes=plane.head_stride, token_stride_bytes=plane.token_stride,

@@ -44,6 +44,8 @@ TRANSFER_FORMAT = "kvpush1"
 # on those events alone, while a decode engine's notifications arrived later with 100 ms (docs/benchmarks.md).
 AUTO_PROGRESS_THREAD_MS = {"prefill": 100, "decode": 5}
 AUTO_WAITING_POLL_MS = 5  # waiting_poll_ms "auto" for a KV cache in host memory
+# The KV cache specs kvpush moves (vLLM's class names; MLAAttentionSpec subclasses FullAttentionSpec, so by exact name).
+GROUP_KINDS = {"FullAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION, "MLAAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_MLA}
 
 
 def incarnation_of(vllm_config: Any, engine_id: str) -> str:
@@ -83,7 +85,8 @@ class KvpushWorker:
         self.incarnation = incarnation_of(vllm_config, config.engine_id)
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks()
         if self.pp_size > 1:
-            raise ValueError("kvpush: pipeline parallelism is not supported yet (pp_size > 1)")
+            raise ValueError(f"kvpush: --pipeline-parallel-size {self.pp_size} is not supported: kvpush moves KV between engines "
+                             "of pipeline-parallel size 1 (any tensor-parallel size)")
         self.spans = Spans(config.engine_id, config.role)
         self.agent: KvAgent | None = None
         self.session: ControlSession | None = None
@@ -162,18 +165,25 @@ class KvpushWorker:
         backends = {b.get_name() for b in get_current_attn_backends(self.vllm_config)}
         if len(backends) != 1:
             raise ValueError(f"kvpush: one attention backend expected, found {sorted(backends)}")
-        layers, groups, specs = [], [], []
+        layers, groups, kinds = [], [], set()
         for group_index, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
-            if type(spec).__name__ != "FullAttentionSpec":
-                raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; only full attention moves in v1")
-            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks))
-            specs.append(spec)
+            kind = GROUP_KINDS.get(type(spec).__name__)
+            if kind is None:
+                raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; kvpush moves "
+                                 f"{' and '.join(GROUP_KINDS)} groups")
+            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks, kind))
+            kinds.add(kind)
             layers += [LayerTensor(extract_layer_index(n), n, group_index, kv_caches[n]) for n in group.layer_names]
-        spec = specs[0]
+        if len(kinds) != 1:
+            raise ValueError("kvpush: a model mixing MLA and full-attention KV cache groups is not supported")
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        # An MLA latent is one head, the same on every TP rank: every rank holds "head 0" of 1.
+        mla = kinds == {engine_pb2.KV_CACHE_GROUP_KIND_MLA}
+        total_kv_heads = 1 if mla else self.vllm_config.model_config.get_total_num_kv_heads()
         return build_layout(backends.pop(), layers, groups, dtype=str(spec.dtype), head_size=spec.head_size,
-                            total_kv_heads=self.vllm_config.model_config.get_total_num_kv_heads(),
-                            num_local_heads=spec.num_kv_heads, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                            total_kv_heads=total_kv_heads, num_local_heads=1 if mla else spec.num_kv_heads,
+                            tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def handshake(self) -> KvpushHandshake:
         return KvpushHandshake(incarnation=self.incarnation)

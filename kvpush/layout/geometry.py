@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Byte geometry of a worker's KV cache, as carried in KvLayout.
 
-Every attention layer is described by two planes (keys, values). Four byte
+Every full-attention layer is described by two planes (keys, values), every
+MLA layer by one (its latent, as one head of head_size elements). Four byte
 strides place blocks, heads, tokens and channels (the head_size elements of
 one token of one head) within a plane. That is enough for a peer to address
 any (layer, plane, block, head, token, channel), whatever the attention
@@ -61,15 +62,26 @@ def describe_layer(
     num_local_heads: int,
     head_size: int,
     layer_index: int,
-) -> tuple[Plane, Plane]:
-    """Key and value planes of one layer's vLLM KV cache tensor.
+    latent: bool = False,
+) -> tuple[Plane, ...]:
+    """The planes of one layer's vLLM KV cache tensor: key and value, or an MLA layer's latent.
 
-    vLLM 0.32+ hands every attention layer as a logical [B, H, N, C] tensor
+    An MLA layer's (`latent`) cache is [B, N, C] (C = head_size, the latent
+    and the rope key of one token), [B, 1, N, C] on the CPU model runner.
+    vLLM 0.32+ hands every other attention layer as a logical [B, H, N, C]
+    tensor
     (C = key channels then value channels). Most backends store token n's key
     in C[:head_size] and its value in C[head_size:]. The CPU backend
     reinterprets each (block, head) page as keys transposed ([head_size,
     block_size], channel-major) followed by values ([block_size, head_size]).
     """
+    if latent:
+        if len(shape) == 4 and shape[1] == 1:  # the one head of a [B, 1, N, C] view
+            shape, strides_elems = (shape[0], *shape[2:]), (strides_elems[0], *strides_elems[2:])
+        if len(shape) != 3:
+            raise ValueError(f"expected an MLA [blocks, tokens, latent] KV tensor, got shape {shape}")
+        return (_latent_plane(shape, strides_elems, data_ptr, element_size, num_blocks=num_blocks, block_size=block_size,
+                              head_size=head_size, layer_index=layer_index),)
     if len(shape) != 4:
         raise ValueError(f"expected a [blocks, heads, tokens, channels] KV tensor, got shape {shape}")
     blocks, heads, tokens, channels = shape
@@ -99,6 +111,24 @@ def describe_layer(
     return key, value
 
 
+def _latent_plane(shape: tuple[int, ...], strides_elems: tuple[int, ...], data_ptr: int, element_size: int, *, num_blocks: int,
+                  block_size: int, head_size: int, layer_index: int) -> Plane:
+    """The one plane of an MLA layer's [blocks, tokens, latent] cache."""
+    blocks, tokens, channels = shape
+    if blocks != num_blocks:
+        raise ValueError(
+            f"MLA KV tensor has {blocks} kernel blocks for {num_blocks} cache blocks: kvpush needs the "
+            "attention kernel block size to equal --block-size"
+        )
+    if tokens != block_size or channels != head_size:
+        raise ValueError(f"MLA KV tensor shape {shape} does not match blocks={num_blocks} block_size={block_size} latent={head_size}")
+    s_block, s_token, s_chan = (s * element_size for s in strides_elems)
+    if s_chan != element_size or s_token != head_size * element_size:
+        raise ValueError(f"MLA KV tensor tokens must be contiguous rows of the latent (strides {strides_elems})")
+    # One head: its stride is never used to step, so it is the page (every token of the block).
+    return Plane(layer_index, engine_pb2.KV_PLANE_LATENT, data_ptr, s_block, block_size * s_token, s_token, element_size)
+
+
 def planes_from_layout(layout: engine_pb2.KvLayout, group: int | None = None) -> list[Plane]:
     """The planes of a KvLayout (of one KV cache group if given), ordered by (layer_index, plane)."""
     element = DTYPE_SIZES[layout.dtype]
@@ -116,10 +146,28 @@ def dtype_bytes(layout: engine_pb2.KvLayout) -> int:
     return DTYPE_SIZES[layout.dtype]
 
 
+def describe_kv(layout: engine_pb2.KvLayout) -> str:
+    """A worker's KV cache in words, naming what P and D must agree on."""
+    kinds = {g.kind for g in layout.groups}
+    dtype = engine_pb2.KvDtype.Name(layout.dtype).removeprefix("KV_DTYPE_").lower()
+    if kinds == {engine_pb2.KV_CACHE_GROUP_KIND_MLA}:
+        what = f"MLA (a latent of {layout.head_size} {dtype} elements per token"
+    else:
+        what = f"full attention ({layout.total_kv_heads} KV heads of {layout.head_size} {dtype} elements"
+    return f"{what}, {layout.num_layers} layers)"
+
+
+def layout_mismatch(prefill: engine_pb2.KvLayout, decode: engine_pb2.KvLayout) -> str:
+    """Why two workers' KV caches cannot exchange bytes ("" when what must match does)."""
+    if compatibility_fields(prefill) == compatibility_fields(decode):
+        return ""
+    return f"the prefill engine's KV cache is {describe_kv(prefill)} and the decode engine's is {describe_kv(decode)}"
+
+
 def compatibility_fields(layout: engine_pb2.KvLayout) -> tuple:
     """What must match between P and D for bytes to mean the same thing.
 
     Block size, block count and tensor-parallel split may differ; the
     per-token per-head element layout may not.
     """
-    return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers)
+    return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers, tuple(sorted({g.kind for g in layout.groups})))

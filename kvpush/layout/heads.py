@@ -3,10 +3,13 @@
 
 P and D may use different tensor-parallel sizes. Each rank holds a
 contiguous range of global KV heads (ranges repeat when TP exceeds the head
-count, i.e. heads are replicated). Every head a consumer rank needs is written
-by exactly one producer rank: the lowest-ranked producer that holds it. A
-consumer rank therefore expects one notification per distinct producer rank
-that writes to it.
+count, i.e. heads are replicated; an MLA latent is one head every rank
+holds). Every head a consumer rank needs is written by exactly one producer
+rank: of the producers holding it, the one at the consumer's rank modulo
+their count. Replicas so spread the WRITEs over the producer ranks (with MLA
+and equal TP sizes rank i writes rank i) instead of one rank writing them
+all. A consumer rank expects one notification per distinct producer rank
+that writes to it (one with MLA).
 """
 
 from __future__ import annotations
@@ -54,15 +57,16 @@ def even_split(total_heads: int, tp_size: int) -> list[RankHeads]:
 
 def routes(producers: list[RankHeads], consumers: list[RankHeads]) -> list[HeadRoute]:
     """Every (producer, consumer, head range) write, ordered by producer then consumer."""
-    owner: dict[int, int] = {}
+    holders: dict[int, list[int]] = {}
     for p in sorted(producers, key=lambda r: r.tp_rank):
         for h in range(p.first_head, p.stop):
-            owner.setdefault(h, p.tp_rank)
+            holders.setdefault(h, []).append(p.tp_rank)
     out: list[HeadRoute] = []
     for c in consumers:
-        missing = [h for h in range(c.first_head, c.stop) if h not in owner]
+        missing = [h for h in range(c.first_head, c.stop) if h not in holders]
         if missing:
             raise ValueError(f"no producer rank holds heads {missing} needed by consumer rank {c.tp_rank}")
+        owner = {h: holders[h][c.tp_rank % len(holders[h])] for h in range(c.first_head, c.stop)}
         start = c.first_head
         for h in range(c.first_head + 1, c.stop + 1):
             if h == c.stop or owner[h] != owner[start]:

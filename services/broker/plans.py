@@ -14,6 +14,7 @@ from typing import Protocol
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import FailedPrecondition, InvalidArgument, NotFound, Reason
 from kvpush.layout import heads
+from kvpush.layout.geometry import layout_mismatch
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.attempts import RankKey
 from kvpush.services.common import validation
@@ -116,6 +117,13 @@ class Planner:
             return True
         return (rank_key[2], rank_key[3]) not in self.info(engine).positions
 
+    def rank_keys_of(self, engine_id: str, incarnation: str, role: int) -> tuple[RankKey, ...]:
+        """The ranks of this engine incarnation in that role (none if it is not the one registered)."""
+        engine = self._directory.get_engine(engine_id)
+        if engine is None or engine.incarnation != incarnation or engine.role != role:
+            return ()
+        return self.info(engine).rank_keys
+
     def engine_lost(self, engine_id: str, incarnation: str) -> bool:
         engine = self._directory.get_engine(engine_id)
         return engine is None or engine.incarnation != incarnation
@@ -127,8 +135,11 @@ class Planner:
         if plan is not None and plan.decode_engine is d:
             return plan
         if p.compatibility_hash != d.compatibility_hash:
+            why = layout_mismatch(p.ranks[0].layout, d.ranks[0].layout) if p.ranks and d.ranks else ""
             raise FailedPrecondition(
-                f"engines {p.engine_id!r} and {d.engine_id!r} have different compatibility hashes", reason=Reason.INCOMPATIBLE_LAYOUT, field=field
+                f"engines {p.engine_id!r} and {d.engine_id!r} cannot exchange KV: "
+                + (why or "they serve different models (architectures, vocabularies or KV cache formats: their compatibility hashes differ)"),
+                reason=Reason.INCOMPATIBLE_LAYOUT, field=field,
             )
         if p.pp_size != 1 or d.pp_size != 1:
             # Write notifications name only the producer's tp rank.

@@ -33,13 +33,17 @@ def rank_request(
     num_blocks: int = 1000,
     compatibility_hash: str = COMPATIBILITY_HASH,
     lease_ttl_s: float | None = None,
+    mla: bool = False,
 ) -> reg_pb.RegisterEngineRankRequest:
-    """A RegisterEngineRankRequest for one rank holding vLLM's even share of the KV heads."""
+    """A RegisterEngineRankRequest for one rank holding vLLM's even share of the KV heads (mla: a 576-element latent on every rank)."""
+    if mla:
+        total_kv_heads = 1
     share = heads.even_split(total_kv_heads, tp_size)[tp_rank]
-    head_size = 64
+    head_size = 576 if mla else 64
     token_bytes = head_size * 2
     head_stride = block_size * token_bytes
     block_stride = head_stride * share.num_heads
+    kind = engine_pb2.KV_CACHE_GROUP_KIND_MLA if mla else engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
     layout = engine_pb2.KvLayout(
         dtype=engine_pb2.KV_DTYPE_FLOAT16,
         head_size=head_size,
@@ -48,11 +52,12 @@ def rank_request(
         num_local_heads=share.num_heads,
         num_layers=num_layers,
         memory_kind=engine_pb2.MEMORY_KIND_DRAM,
-        groups=[engine_pb2.KvCacheGroup(group_index=0, kind=engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION, block_size=block_size, num_blocks=num_blocks)],
+        groups=[engine_pb2.KvCacheGroup(group_index=0, kind=kind, block_size=block_size, num_blocks=num_blocks)],
     )
     region_bytes = block_stride * num_blocks
+    planes = (engine_pb2.KV_PLANE_LATENT,) if mla else (engine_pb2.KV_PLANE_KEY, engine_pb2.KV_PLANE_VALUE)
     for layer in range(num_layers):
-        for plane in (engine_pb2.KV_PLANE_KEY, engine_pb2.KV_PLANE_VALUE):
+        for plane in planes:
             layout.regions.add(
                 layer_name=f"model.layers.{layer}.self_attn.attn",
                 layer_index=layer,

@@ -35,6 +35,7 @@ class Harness:
         subscribe: bool = True,
         past_grace: bool = True,
         membership=None,
+        mla: bool = False,
     ):
         self.clock = ManualClock()
         self.registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=30.0), self.clock)
@@ -47,7 +48,7 @@ class Harness:
         self.leases: dict[str, list[str]] = {}
         self.p_tp, self.d_tp = p_tp, d_tp
         for engine_id, role, tp in ((P, sample.PREFILL, p_tp), (D, sample.DECODE, d_tp)):
-            self.leases[engine_id] = [self.registrar.register(r).lease_id for r in sample.engine_requests(engine_id, role, tp_size=tp, total_kv_heads=heads)]
+            self.leases[engine_id] = [self.registrar.register(r).lease_id for r in sample.engine_requests(engine_id, role, tp_size=tp, total_kv_heads=heads, mla=mla)]
         self.producers: dict[int, Subscription] = {}
         self.decode: Subscription | None = None
         if subscribe:

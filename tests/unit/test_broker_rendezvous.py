@@ -170,17 +170,24 @@ def test_a_newer_stream_replaces_the_older_one():
 
 
 @pytest.mark.parametrize(
-    "p_tp, d_tp, heads, expected_orders, expected_notifications",
+    "p_tp, d_tp, heads, mla, expected_orders, expected_notifications",
     [
-        (1, 2, 2, {0: [0, 1]}, [1, 1]),
-        (2, 1, 2, {0: [0], 1: [0]}, [2]),
-        (2, 4, 2, {0: [0, 1], 1: [2, 3]}, [1, 1, 1, 1]),
-        (4, 2, 4, {0: [0], 1: [0], 2: [1], 3: [1]}, [2, 2]),
+        (1, 2, 2, False, {0: [0, 1]}, [1, 1]),
+        (2, 1, 2, False, {0: [0], 1: [0]}, [2]),
+        (2, 4, 2, False, {0: [0, 1], 1: [2, 3]}, [1, 1, 1, 1]),
+        (4, 2, 4, False, {0: [0], 1: [0], 2: [1], 3: [1]}, [2, 2]),
+        (4, 4, 2, False, {0: [0], 1: [1], 2: [2], 3: [3]}, [1, 1, 1, 1]),
+        (1, 2, 1, True, {0: [0, 1]}, [1, 1]),
+        (2, 1, 1, True, {0: [0]}, [1]),
+        (2, 2, 1, True, {0: [0], 1: [1]}, [1, 1]),
+        (2, 4, 1, True, {0: [0, 2], 1: [1, 3]}, [1, 1, 1, 1]),
     ],
-    ids=["P tp1 to D tp2", "P tp2 to D tp1", "P tp2 to D tp4 (replicated heads)", "P tp4 to D tp2"],
+    ids=["P tp1 to D tp2", "P tp2 to D tp1", "P tp2 to D tp4 (replicated heads)", "P tp4 to D tp2",
+         "P tp4 to D tp4 (each replica writes its own rank)", "MLA P tp1 to D tp2 (every D rank gets the latent)",
+         "MLA P tp2 to D tp1 (one P rank writes)", "MLA P tp2 to D tp2 (rank i writes rank i)", "MLA P tp2 to D tp4"],
 )
-def test_heterogeneous_tp_routing(p_tp, d_tp, heads, expected_orders, expected_notifications):
-    h = Harness(p_tp=p_tp, d_tp=d_tp, heads=heads)
+def test_heterogeneous_tp_routing(p_tp, d_tp, heads, mla, expected_orders, expected_notifications):
+    h = Harness(p_tp=p_tp, d_tp=d_tp, heads=heads, mla=mla)
     response = h.register()
     assert list(response.expected_notifications) == expected_notifications
     h.prefill_done()

@@ -33,11 +33,13 @@ class KvPlane(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_PLANE_UNSPECIFIED: _ClassVar[KvPlane]
     KV_PLANE_KEY: _ClassVar[KvPlane]
     KV_PLANE_VALUE: _ClassVar[KvPlane]
+    KV_PLANE_LATENT: _ClassVar[KvPlane]
 
 class KvCacheGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_CACHE_GROUP_KIND_UNSPECIFIED: _ClassVar[KvCacheGroupKind]
     KV_CACHE_GROUP_KIND_FULL_ATTENTION: _ClassVar[KvCacheGroupKind]
+    KV_CACHE_GROUP_KIND_MLA: _ClassVar[KvCacheGroupKind]
 ENGINE_ROLE_UNSPECIFIED: EngineRole
 ENGINE_ROLE_PREFILL: EngineRole
 ENGINE_ROLE_DECODE: EngineRole
@@ -53,8 +55,10 @@ MEMORY_KIND_VRAM: MemoryKind
 KV_PLANE_UNSPECIFIED: KvPlane
 KV_PLANE_KEY: KvPlane
 KV_PLANE_VALUE: KvPlane
+KV_PLANE_LATENT: KvPlane
 KV_CACHE_GROUP_KIND_UNSPECIFIED: KvCacheGroupKind
 KV_CACHE_GROUP_KIND_FULL_ATTENTION: KvCacheGroupKind
+KV_CACHE_GROUP_KIND_MLA: KvCacheGroupKind
 
 class EngineRank(_message.Message):
     __slots__ = ("engine_id", "incarnation", "role", "tp_rank", "tp_size", "pp_rank", "pp_size")
