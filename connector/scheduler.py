@@ -88,6 +88,7 @@ class DecodeScheduler(_Scheduler):
         super().__init__(config, vllm_config, kv_cache_config)
         self.waits = DecodeWaits(SystemClock(), config.hold_margin_s)
         self._taken_over: set[str] = set()  # requests whose KV this scheduler receives from a remote prefill (from their first allocation on)
+        self._local_hits: dict[str, int] = {}  # the block-aligned local prefix hit vLLM last showed get_num_new_matched_tokens
         self._new_recvs: list[DestinationReady] = []
         # What the control loop heard, applied on the engine thread: (kind, args).
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -124,10 +125,15 @@ class DecodeScheduler(_Scheduler):
                 return max(request.num_prompt_tokens - num_computed_tokens, 0), True
         if params is None or params.role != "decode":
             return 0, False
-        missing = request.num_prompt_tokens - num_computed_tokens
+        # vLLM computes the prompt's last token here whatever it is given (its KV is rewritten by D's first
+        # step), so only [local hit, last token) comes from P, and a local hit of all but the last token
+        # needs no transfer at all.
+        missing = request.num_prompt_tokens - 1 - num_computed_tokens
+        self._local_hits[request.request_id] = num_computed_tokens
         return (missing, True) if missing > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        local_hit = self._local_hits.pop(request.request_id, 0)
         if request.request_id in self._taken_over:
             return
         try:
@@ -153,8 +159,9 @@ class DecodeScheduler(_Scheduler):
         wait = self.waits.admit(request.request_id, params, refusal, timeout, time.time_ns())
         if wait.failure:
             return  # nothing named these blocks outside this engine: the next step reports it failed
-        first_token = request.num_computed_tokens
-        num_tokens = request.num_prompt_tokens - first_token
+        # D's own prefix-cache hit stays out of the destination: those blocks may be shared with other
+        # requests, so no WRITE may reach them, and P moves only the tokens vLLM will load.
+        first_token, num_tokens = local_hit, num_external_tokens
         self._new_recvs.append(DestinationReady(wait.req_id, params.transfer_id, params.attempt, first_token, num_tokens, wait.alloc_ns, params.traceparent))
         self._receiving[request.request_id] = request
         self._register(request, params, wait, first_token, num_tokens)
@@ -264,6 +271,7 @@ class DecodeScheduler(_Scheduler):
         # finished, which DecodeWaits does only once no WRITE can land in them.
         req_id = request.request_id
         self._taken_over.discard(req_id)
+        self._local_hits.pop(req_id, None)
         self._receiving.pop(req_id, None)
         self._received.pop(req_id, None)
         first_step = self._first_steps.pop(req_id, None)

@@ -58,6 +58,56 @@ def dispatch(prefill_url: str, prefill_id: str, decode_url: str, decode_id: str,
     return Dispatch(transfer_id, results[0], results[1], time.monotonic() - t0)
 
 
+# The broker's state of a transfer whose first side (by role) arrived and waits for the other.
+_WAITING_FOR_THE_OTHER = {"decode": "TRANSFER_STATE_WAITING_FOR_PREFILL", "prefill": "TRANSFER_STATE_WAITING_FOR_REGISTRATION"}
+
+
+def dispatch_in_order(control_plane: ControlPlaneHandle, prefill_url: str, prefill_id: str, decode_url: str, decode_id: str,
+                      prompt: str | Sequence[int], max_tokens: int, first: str, *, wait_s: float = 30.0, http_timeout: float = 120.0) -> Dispatch:
+    """Both legs of one transfer with the rendezvous order forced: `first` ("decode" or "prefill") reaches the broker alone.
+
+    The second leg is sent once the broker holds the first side waiting
+    (TimeoutError after `wait_s`).
+    """
+    from kvpush.rendezvous.v1 import transfer_pb2
+
+    if first not in _WAITING_FOR_THE_OTHER:
+        raise ValueError(f"first must be 'decode' or 'prefill', not {first!r}")
+    transfer_id = new_transfer_id()
+    legs = {
+        "prefill": (prefill_url, 1, transfer_params("prefill", transfer_id, decode_id)),
+        "decode": (decode_url, max_tokens, transfer_params("decode", transfer_id, prefill_id)),
+    }
+    waiting = transfer_pb2.TransferState.Value(_WAITING_FOR_THE_OTHER[first])
+
+    def first_waits() -> bool:
+        try:
+            return get_transfer(control_plane, transfer_id).state == waiting
+        except Exception:  # NOT_FOUND until the first side arrives
+            return False
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = {}
+        url, tokens, params = legs[first]
+        futures[first] = pool.submit(completions, url, prompt, tokens, kv_transfer_params=params, timeout=http_timeout)
+        deadline = time.monotonic() + wait_s
+        while not first_waits():
+            if time.monotonic() > deadline or futures[first].done():
+                raise TimeoutError(f"the {first} side of {transfer_id} did not wait at the broker within {wait_s:g} s")
+            time.sleep(0.05)
+        second = "prefill" if first == "decode" else "decode"
+        url, tokens, params = legs[second]
+        futures[second] = pool.submit(completions, url, prompt, tokens, kv_transfer_params=params, timeout=http_timeout)
+        results = []
+        for name in ("prefill", "decode"):
+            try:
+                results.append(futures[name].result())
+            except Exception as exc:  # the caller asserts on what failed
+                results.append(exc)
+    return Dispatch(transfer_id, results[0], results[1], time.monotonic() - t0)
+
+
 def get_transfer(control_plane: ControlPlaneHandle, transfer_id: str, attempt: int = 0):
     """The broker's record of a transfer (the latest attempt by default)."""
     from kvpush.client import BrokerClient, ClientConfig

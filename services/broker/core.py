@@ -187,6 +187,8 @@ class BrokerCore:
                 return att  # an identical repeat gets the same answer
             late_prefill_done = not decode and att.state == a.DONE
             if att.ended and not late_prefill_done:
+                if not decode:  # e.g. D's full prefix hit cancelled it first: every rank of P lets its blocks go now
+                    self._machine.close_ranks(att, self._planner.rank_keys_of(mine.engine_id, mine.incarnation, PREFILL))
                 raise checks.ended_error(att)
         if att is None or not att.ended:
             self._check_owner(transfer_id, "key.transfer_id")  # it would start or move an attempt

@@ -275,8 +275,12 @@ class AttemptMachine:
     # ----- what an end sends -----
 
     def _close_producers(self, att: Attempt) -> None:
+        self.close_ranks(att, att.p_ranks)
+
+    def close_ranks(self, att: Attempt, rank_keys) -> None:
+        """Sends an ended attempt's closure to these producer ranks (those that may still hold its source)."""
         closed = None
-        for rank_key in att.p_ranks:
+        for rank_key in rank_keys:
             mailbox = self._mailboxes.producer(rank_key)
             if mailbox is not None and owes_closure(att, rank_key):
                 closed = closed or self._messages.closed(att)

@@ -23,7 +23,7 @@ from kvpush.localstack.control_plane import kvpush_transfer_config, start_contro
 from kvpush.localstack.engines import reference_run, start_vllm_server
 from kvpush.localstack.metrics import free_kv_blocks
 from kvpush.localstack.prompts import control_prompt, prompt_token_ids
-from kvpush.localstack.transfers import Dispatch, dispatch, get_transfer, new_transfer_id, transfer_params
+from kvpush.localstack.transfers import Dispatch, dispatch, dispatch_in_order, get_transfer, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
 from tests.e2e.wait import wait_for
 
@@ -102,9 +102,9 @@ def test_outputs_equal_a_single_engine_and_kv_moved_by_write(stack):
     for result, prompt in zip(results, prompts):
         transfer = get_transfer(stack["control_plane"], result.transfer_id)
         assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
-        # P wrote the KV of every prompt token (in whole 128-token blocks, as the
-        # block sizes match); D recomputes only the last one.
-        assert transfer.bytes_written == -(-len(prompt) // BLOCK_SIZE) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+        # P wrote the KV of every prompt token but the last, which D computes itself
+        # (in whole 128-token blocks, as the block sizes match).
+        assert transfer.bytes_written == -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
 
 
 def test_several_requests_in_flight(stack):
@@ -128,34 +128,9 @@ def test_several_requests_in_flight(stack):
 def test_either_arrival_order(stack, first):
     prompt, expected = stack["prompts"][1], stack["reference"][1]
     control_plane = stack["control_plane"]
-    transfer_id = new_transfer_id()
-    legs = {
-        "prefill": (stack["prefill"].url, 1, transfer_params("prefill", transfer_id, "decode-0")),
-        "decode": (stack["decode"].url, MAX_TOKENS, transfer_params("decode", transfer_id, "prefill-0")),
-    }
-    second = "prefill" if first == "decode" else "decode"
-    outcome: dict = {}
-
-    def leg(name):
-        url, max_tokens, params = legs[name]
-        outcome[name] = completions(url, prompt, max_tokens, kv_transfer_params=params)
-
-    waiting = {"decode": transfer_pb2.TRANSFER_STATE_WAITING_FOR_PREFILL, "prefill": transfer_pb2.TRANSFER_STATE_WAITING_FOR_REGISTRATION}
-    thread = threading.Thread(target=leg, args=(first,))
-    thread.start()
-
-    def first_arrived():
-        try:
-            return get_transfer(control_plane, transfer_id).state == waiting[first]
-        except Exception:  # NOT_FOUND until the first side arrives
-            return False
-
-    wait_for(first_arrived, 30, what=f"{first} side registered first")
-    leg(second)
-    thread.join(timeout=120)
-    assert outcome["decode"].token_ids == expected.token_ids
-    assert max_logprob_diff(expected, outcome["decode"]) < 1e-3
-    transfer = get_transfer(control_plane, transfer_id)
+    result = dispatch_in_order(control_plane, stack["prefill"].url, "prefill-0", stack["decode"].url, "decode-0", prompt, MAX_TOKENS, first)
+    assert_matches_reference(result, expected)
+    transfer = get_transfer(control_plane, result.transfer_id)
     assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
     side = {"decode": transfer_pb2.TRANSFER_SIDE_DECODE, "prefill": transfer_pb2.TRANSFER_SIDE_PREFILL}[first]
     assert transfer.first_arrival == side

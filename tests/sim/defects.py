@@ -212,26 +212,26 @@ class Defect:
 
 # Found by the simulation (seeds from `python tests/sim/defects.py`, which searches from seed 0).
 SIMULATED = [
-    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (302, 456, 494)),
+    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (302, 494, 785)),
     Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 21)),
-    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (438, 729, 820)),
+    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (729, 892, 999)),
     Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (18, 41, 49)),
     Defect(
         "4c",
         "hold margin not validated",
         _hold_margin_unchecked,
         "write-after-free",
-        (108, 206, 404),
+        (206, 404, 1242),
         replace(Timing(), hold_margin_s=0.01),
     ),
     Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 4, 6)),
-    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (674, 974, 1383)),
+    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (132, 674, 798)),
     Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (447, 462, 578)),
-    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (838, 1607, 2344)),
+    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (2344, 3174, 3324)),
     Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (1, 2, 3)),
     # Found once the transport model stopped letting a release recall bytes already sent (kvpush/sim/nixl.py).
-    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (13, 22, 23)),
-    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (4, 11, 23)),
+    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (22, 75, 102)),
+    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (4, 11, 22)),
     # Found once P made its WRITEs during the forward (a made WRITE unloaded with its agent shows it).
     Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (50470, 51330, 53561)),
     # Found once the broker member could doubt its lease (kvpush/sim/control_plane.py).

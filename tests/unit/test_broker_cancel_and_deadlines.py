@@ -126,6 +126,19 @@ def test_an_engines_cancel_of_an_unseen_attempt_is_a_tombstone_that_supersedes_n
     assert h.state("t2", attempt=1) == S.TRANSFER_STATE_SUPERSEDED
 
 
+def test_a_prefill_arriving_after_the_decode_side_cancelled_is_closed_on_every_rank():
+    """D's full prefix hit cancels before P is done: every P rank lets its blocks go at once, not at its hold's end."""
+    h = Harness(p_tp=2)
+    h.cancel("t-hit", caller=D, detail="decode side had the whole prompt cached")
+    assert h.kinds(0) == h.kinds(1) == []
+    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, "t-hit")
+    assert h.kinds(0) == h.kinds(1) == [("closed", "t-hit", 1)]
+    # A prefill-done from an incarnation of P that is not the registered one closes nothing.
+    h.cancel("t-hit2", caller=D)
+    expect(errors.FailedPrecondition, Reason.TRANSFER_ENDED, "key", h.prefill_done, "t-hit2", incarnation="inc-0")
+    assert h.kinds(0) == h.kinds(1) == []
+
+
 def test_an_engines_tombstone_is_not_the_transfers_newest_attempt_for_queries_either():
     h = Harness()
     h.register(attempt=1)
