@@ -100,22 +100,22 @@ def pull_route(stack: Stack, prompt: str | Sequence[int], max_tokens: int) -> Ro
     return Routed(decode=decode, prefill=prefill, prefill_leg_s=prefill_leg_s)
 
 
-def push_decode_params(stack: Stack, request_id: str) -> dict:
-    """D leg `kv_transfer_params` of the upstream push router (P's coordinates; P runs with TP 1)."""
+def push_decode_params(stack: Stack, request_id: str, *, tp_size: int = 1, pp_size: int = 1) -> dict:
+    """D leg `kv_transfer_params` of the upstream push router (P's coordinates and TP/PP sizes)."""
     return {
         "do_remote_decode": False,
         "do_remote_prefill": True,
         "remote_engine_id": PREFILL_ENGINE_ID,
         "remote_host": SIDE_CHANNEL_HOST,
         "remote_port": stack.side_channel_ports[PREFILL_ENGINE_ID],
-        "tp_size": 1,
-        "pp_size": 1,
+        "tp_size": tp_size,
+        "pp_size": pp_size,
         "remote_request_id": request_id,
     }
 
 
 def push_route(stack: Stack, prompt: str | Sequence[int], max_tokens: int,
-               executor: ThreadPoolExecutor) -> Routed:
+               executor: ThreadPoolExecutor, *, tp_size: int = 1, pp_size: int = 1) -> Routed:
     """Upstream push router: both legs at once with one `X-Request-Id`; D streams back.
 
     The P leg runs on `executor`; its response is awaited after D finishes,
@@ -131,16 +131,18 @@ def push_route(stack: Stack, prompt: str | Sequence[int], max_tokens: int,
 
     future = executor.submit(prefill_leg)
     decode = stream_completions(stack.decode.url, prompt, max_tokens,
-                                kv_transfer_params=push_decode_params(stack, request_id), headers=headers, t0=t0)
+                                kv_transfer_params=push_decode_params(stack, request_id, tp_size=tp_size, pp_size=pp_size),
+                                headers=headers, t0=t0)
     prefill, prefill_leg_s = future.result()
     return Routed(decode=decode, prefill=prefill, prefill_leg_s=prefill_leg_s)
 
 
-def route(stack: Stack, prompt: str | Sequence[int], max_tokens: int, executor: ThreadPoolExecutor) -> Routed:
-    """Routes one request with the router matching the stack's mode."""
+def route(stack: Stack, prompt: str | Sequence[int], max_tokens: int, executor: ThreadPoolExecutor, *, tp_size: int = 1,
+          pp_size: int = 1) -> Routed:
+    """Routes one request with the router matching the stack's mode (P's TP/PP sizes for push)."""
     if stack.spec.mode == "pull":
         return pull_route(stack, prompt, max_tokens)
-    return push_route(stack, prompt, max_tokens, executor)
+    return push_route(stack, prompt, max_tokens, executor, tp_size=tp_size, pp_size=pp_size)
 
 
 def check_against_reference(model_dir: Path, modes: Sequence[str], *, prompt_lens: Sequence[int] = (256, 1024),

@@ -55,6 +55,8 @@ class StackSpec:
     trace_ratio: float | None = None
     engine_env: Mapping[str, str] = dataclasses.field(default_factory=dict)  # on top of engines.ENGINE_ENV
     engine_args: Sequence[str] = ()  # extra vLLM server arguments
+    engine_args_by_role: Mapping[str, Sequence[str]] = dataclasses.field(default_factory=dict)  # role -> more, after engine_args
+    prefix_caching: bool = False  # vLLM's prefix caching on both engines
     kvpush_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # kv_connector_extra_config of kvpush engines
     prefill_extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # ... of kvpush prefill engines only, on top
     control_plane_args: Sequence[str] = ()
@@ -164,7 +166,8 @@ class Stack:
         for role, engine_id, name, cpus in spawns:
             server = spawn_vllm_server(self.model_dir, name=name, kv_transfer_config=self._transfer_config(role, engine_id),
                                        env={**kvpush_tracing, **self._engine_env(engine_id), **spec.engine_env}, cpu_list=cpus,
-                                       extra_args=spec.engine_args, log_path=self.log_dir / f"{name}.log")
+                                       extra_args=[*spec.engine_args, *spec.engine_args_by_role.get(role, ())],
+                                       prefix_caching=spec.prefix_caching, log_path=self.log_dir / f"{name}.log")
             self._processes.append(server.process)
             self.engines[role].append(server)
         wait_until_healthy([s for role in ROLES for s in self.engines[role]], spec.engine_start_timeout, self.say)

@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA (DeepSeek-V2-style latent KV) between real vLLM CPU engines, with any TP sizes.
+
+The latent is the same on every TP rank: each decode rank receives the
+whole latent, from one prefill rank (rank d mod P's TP), and counts one
+notification. vLLM's CPU platform runs MLA with 16-token blocks and prefix
+caching off.
+
+The reference is vLLM's own pull connector between engines of the same
+TP sizes, not a single engine: vLLM-CPU's MLA decode step is not
+numerically its prefill (bench/parity.py shows it in one plain engine) and
+its numerics change with the TP sizes, and a P/D decode engine computes the
+prompt's last token with that decode step over the KV it received,
+whichever connector delivered it. kvpush and upstream pull then agree to
+the last bit (docs/parity.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.upstream import pull_route, upstream_spec
+from kvpush.localstack.completions import max_logprob_diff, max_logprob_shift
+from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.localstack.engines import start_vllm_servers
+from kvpush.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.localstack.stack import Stack
+from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
+from kvpush.rendezvous.v1 import transfer_pb2
+from kvpush.telemetry.reader import read_spans
+from kvpush.tinymodel import build_tiny_model, default_model_dir
+
+pytestmark = pytest.mark.engine
+
+PROMPT_LENGTHS = (9, 300, 1000)  # within one 16-token block, many blocks, not multiples of the block size
+MAX_TOKENS = 6
+BLOCK_SIZE = 16  # forced by vLLM-CPU for MLA
+LATENT_BYTES_PER_TOKEN = 2 * 576 * 4  # layers x (kv_lora_rank 512 + rope 64) x float32: one plane, no K/V split
+
+
+@pytest.fixture(scope="module")
+def mla_model():
+    return build_tiny_model(default_model_dir("deepseek_v2"), arch="deepseek_v2")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, mla_model):
+    """Upstream pull's outputs (NixlConnector) on the prompts, for P's and D's TP sizes.
+
+    The TP sizes change vLLM-CPU's MLA numerics (P's latent, D's decode
+    step) enough to flip this sensitive tiny model's tokens, so each pair of
+    sizes has its own reference.
+    """
+    prompts = [prompt_token_ids(n, seed=n) for n in PROMPT_LENGTHS]
+    prompts.append(control_prompt(prompts[1]))
+    by_sizes: dict[tuple[int, int], list] = {}
+
+    def outputs(p_tp: int, d_tp: int) -> tuple[list, list]:
+        if (p_tp, d_tp) not in by_sizes:
+            sizes = {"prefill": ["--tensor-parallel-size", str(p_tp)], "decode": ["--tensor-parallel-size", str(d_tp)]}
+            spec = upstream_spec("pull", prefill_cpus="0", decode_cpus="1", engine_args_by_role=sizes)
+            with Stack(spec, mla_model, tmp_path_factory.mktemp(f"mla-pull-p{p_tp}-d{d_tp}")) as stack:
+                stack.start()
+                by_sizes[p_tp, d_tp] = [pull_route(stack, prompt, MAX_TOKENS).decode for prompt in prompts]
+            # The control prompt (first half changed) moves the logprobs clearly, so equal outputs mean the right KV arrived.
+            assert max_logprob_shift(by_sizes[p_tp, d_tp][1], by_sizes[p_tp, d_tp][-1]) >= 0.05
+        return prompts[:-1], by_sizes[p_tp, d_tp][:-1]
+
+    return outputs
+
+
+@pytest.mark.parametrize("p_tp, d_tp, progressive", [(1, 1, "off"), (1, 1, "on"), (1, 2, "off"), (2, 1, "off")],
+                         ids=["P-tp1_to_D-tp1", "P-tp1_to_D-tp1-layer-progressive", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1"])
+def test_the_latent_reaches_every_decode_rank_from_one_prefill_rank(tmp_path, mla_model, reference, p_tp, d_tp, progressive):
+    prompts, expected = reference(p_tp, d_tp)
+    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-m", "decode-m"))
+    servers = []
+    try:
+        # Layer-progressive push ("on"): P writes each MLA layer's latent as soon as the layer is computed.
+        config = {role: kvpush_transfer_config(role, f"{role}-m", control_plane, progressive_push=progressive) for role in ("prefill", "decode")}
+        traces = tmp_path / "traces.jsonl"
+        servers = start_vllm_servers([dict(name=role, kv_transfer_config=config[role], env={"KVPUSH_TRACES_FILE": str(traces)},
+                                           extra_args=["--tensor-parallel-size", str(tp)], cpu_list=cpu, log_path=tmp_path / f"{role}.log")
+                                      for role, tp, cpu in (("prefill", p_tp, "0"), ("decode", d_tp, "1"))], mla_model)
+        prefill, decode = servers
+        for i, (prompt, want) in enumerate(zip(prompts, expected)):
+            if i == 1:  # both arrival orders, forced
+                results = [dispatch_in_order(control_plane, prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS, first)
+                           for first in ("decode", "prefill")]
+            else:
+                results = [dispatch(prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS)]
+            for result in results:
+                assert not isinstance(result.decode, Exception), result.decode
+                assert result.decode.token_ids == want.token_ids
+                assert max_logprob_diff(want, result.decode) < 1e-3
+                transfer = get_transfer(control_plane, result.transfer_id)
+                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
+                # Every D rank got the latent of every prompt token but the last, in whole 16-token pages.
+                pages = -(-(len(prompt) - 1) // BLOCK_SIZE)
+                assert transfer.bytes_written == d_tp * pages * BLOCK_SIZE * LATENT_BYTES_PER_TOKEN
+                # One P rank writes each D rank, so as many ranks write as the smaller TP size.
+                writers = {e.detail for e in transfer.timeline if e.kind == transfer_pb2.TIMELINE_ENTRY_KIND_WRITE_RESULT}
+                assert len(writers) == min(p_tp, d_tp), writers
+        for server in servers:
+            server.stop()  # their spans are exported by then
+        servers = []
+        # D counted its parts per transfer: progressive, the decode-first transfer's two layers left in two parts.
+        parts = [s["attributes"].get("kvpush.parts", 0) for s in read_spans(traces) if s["name"] == "d.wait_for_kv"]
+        assert max(parts) == (2 if progressive == "on" else 1), parts
+    finally:
+        for server in servers:
+            server.stop()
+        control_plane.stop()
