@@ -34,7 +34,7 @@ over the points instead, one stack start per mode and pass.
 Every run is checked: a sample of its requests must give the greedy token
 ids of a single ordinary engine (`kvpush.localstack.engines.reference_run`, computed up front)
 with logprobs within 1e-3, and the KV must have moved: kvpush, the broker's
-`bytes_written` per transfer equals the prompt's whole 128-token blocks ×
+`bytes_written` per transfer equals the whole 128-token blocks of every prompt token but the last ×
 2,048 B/token (2 layers × K and V × 2 KV heads × 64 × 4 B); upstream, the
 `vllm:nixl_bytes_transferred` histograms of P and D (sum and count deltas)
 give one transfer and the prompt's bytes per request. For kvpush each run

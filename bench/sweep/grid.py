@@ -46,14 +46,26 @@ class Workload:
     checked: list[int]
 
 
-def make_workload(point: Point, num_requests: int, num_checked: int, seed: int) -> Workload:
-    """Deterministic prompts and arrivals; the checked requests are spread over the run (first to last)."""
+def shared_prefix_len(input_len: int, shared_prefix: float) -> int:
+    """Tokens every prompt of a point shares, for a shared fraction of the prompt."""
+    return round(input_len * shared_prefix)
+
+
+def make_workload(point: Point, num_requests: int, num_checked: int, seed: int, shared_prefix: float = 0.0) -> Workload:
+    """Deterministic prompts and arrivals; the checked requests are spread over the run (first to last).
+
+    With `shared_prefix` every prompt of the point starts with the same
+    tokens (that fraction of the prompt, its own prefix per point and
+    iteration), as requests sharing a system prompt or a document do.
+    """
     rng = random.Random(point.seed(seed))
     offsets, now = [], 0.0
     for _ in range(num_requests):
         offsets.append(now)
         now += rng.expovariate(point.qps)
-    prompts = [prompt_token_ids(point.input_len, seed=point.seed(seed) * 10_007 + i) for i in range(num_requests)]
+    shared = shared_prefix_len(point.input_len, shared_prefix)
+    prefix = prompt_token_ids(shared, seed=point.seed(seed) * 10_007 - 1) if shared else []
+    prompts = [prefix + prompt_token_ids(point.input_len - shared, seed=point.seed(seed) * 10_007 + i) for i in range(num_requests)]
     count = min(num_checked, num_requests)
     checked = sorted({round(i * (num_requests - 1) / max(count - 1, 1)) for i in range(count)}) if count else []
     return Workload(point, prompts, offsets, checked)

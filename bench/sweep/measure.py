@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -21,6 +22,26 @@ from kvpush.telemetry import FIRST_TOKEN_EVENT, trace_id_ratio_sampled
 # channels × 4 bytes (float32) per token; vLLM CPU's block size.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
 BLOCK_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class KvGeometry:
+    """What one token's KV weighs across the model's layers, and the block size vLLM-CPU runs it with."""
+
+    block_size: int
+    bytes_per_token: int
+
+
+DENSE_GEOMETRY = KvGeometry(BLOCK_SIZE, KV_BYTES_PER_TOKEN)
+
+
+def kv_geometry(config: dict) -> KvGeometry:
+    """A tiny model's geometry from its config.json: an MLA latent (16-token blocks on vLLM-CPU) or dense K and V."""
+    layers = config["num_hidden_layers"]
+    if config.get("kv_lora_rank"):
+        return KvGeometry(16, layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return KvGeometry(BLOCK_SIZE, layers * 2 * config["num_key_value_heads"] * head_dim * 4)
 
 # vLLM's per-engine histograms read around every run (sum and count deltas).
 ENGINE_HISTOGRAMS = {
@@ -54,9 +75,13 @@ def histogram_delta(before: dict[str, dict[str, float]], after: dict[str, dict[s
     return delta
 
 
-def expected_kv_bytes(input_len: int) -> int:
-    """The KV a request's transfer moves: the prompt's blocks, whole (kvpush writes a last partly filled block whole too)."""
-    return -(-input_len // BLOCK_SIZE) * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+def expected_kv_bytes(tokens: int, geometry: KvGeometry = DENSE_GEOMETRY) -> int:
+    """The KV a transfer of this many prompt tokens moves: their blocks, whole (kvpush writes a last partly filled block whole too).
+
+    Upstream moves every prompt token; kvpush every one but the last, which
+    D computes itself in either case.
+    """
+    return -(-tokens // geometry.block_size) * geometry.block_size * geometry.bytes_per_token
 
 
 async def fetch_transfers(control_plane: ControlPlaneHandle, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], Any]:
@@ -147,30 +172,50 @@ def kvpush_breakdown(spans: list[dict[str, Any]], prefix: str, wall_minus_monoto
             "clamped": sum(r.clamped for r in result.requests), "rows": rows, "d_wait_tails_monotonic_s": tails}
 
 
-def kvpush_kv_check(stack: ModeStack, spans: list[dict[str, Any]], prefix: str, point: Point) -> dict[str, Any]:
-    """The broker's bytes_written of every transfer of the run against the prompt's whole blocks."""
+def missing_kv_bytes(tokens: int, shared_tokens: int, geometry: KvGeometry = DENSE_GEOMETRY) -> int:
+    """What a transfer of this many prompt tokens moves when D's prefix cache holds the shared prefix's whole blocks."""
+    cached = shared_tokens // geometry.block_size * geometry.block_size
+    return expected_kv_bytes(tokens, geometry) - cached * geometry.bytes_per_token
+
+
+def kvpush_kv_check(stack: ModeStack, spans: list[dict[str, Any]], prefix: str, point: Point, shared_tokens: int = 0,
+                    geometry: KvGeometry = DENSE_GEOMETRY) -> dict[str, Any]:
+    """The broker's bytes_written of every transfer of the run against the prompt's whole blocks.
+
+    With a shared prefix of `shared_tokens`, a transfer moves either every
+    block (D had not cached the prefix yet: the run's first requests) or
+    only the blocks D lacks; at least one must be the latter.
+    """
     roots = [s for s in spans if s["name"] == "router.request" and str(s["attributes"].get("kvpush.client_request_id", "")).startswith(prefix)]
     keys = [(s["attributes"].get("kvpush.transfer_id", ""), int(s["attributes"].get("kvpush.attempt", 1))) for s in roots]
     transfers = asyncio.run(fetch_transfers(stack.control_plane, [k for k in keys if k[0]]))
-    expected = expected_kv_bytes(point.input_len)
+    full = expected_kv_bytes(point.input_len - 1, geometry)
+    expected = missing_kv_bytes(point.input_len - 1, shared_tokens, geometry)
     written = [t.bytes_written for t in transfers.values() if not isinstance(t, Exception)]
     errors = [str(t)[:200] for t in transfers.values() if isinstance(t, Exception)]
     return {
         "source": "broker GetTransfer(...).bytes_written",
         "expected_per_request": expected,
+        "bytes_per_request": sum(written) / len(written) if written else None,
         "transfers": len(transfers),
         "matching": sum(b == expected for b in written),
+        "whole_prompt": sum(b == full for b in written) if shared_tokens else 0,
         "distinct_values": sorted(set(written)),
         "query_errors": errors[:3],
-        "ok": bool(written) and all(b == expected for b in written) and not errors,
+        "ok": bool(written) and all(b in (expected, full) for b in written) and expected in written and not errors,
     }
 
 
-def upstream_kv_check(engines: dict[str, dict[str, dict[str, float | None]]], requests: int, point: Point) -> dict[str, Any]:
-    """NIXL bytes over the run (P and D `vllm:nixl_bytes_transferred`): one transfer of the prompt's blocks per request."""
+def upstream_kv_check(engines: dict[str, dict[str, dict[str, float | None]]], requests: int, point: Point, shared_tokens: int = 0,
+                      geometry: KvGeometry = DENSE_GEOMETRY) -> dict[str, Any]:
+    """NIXL bytes over the run (P and D `vllm:nixl_bytes_transferred`): one transfer of the prompt's blocks per request.
+
+    With a shared prefix, each transfer moves between the blocks D lacks and every block.
+    """
     total = sum(d["nixl_bytes"]["sum"] for d in engines.values())
     count = sum(d["nixl_bytes"]["count"] for d in engines.values())
-    expected = expected_kv_bytes(point.input_len)
+    full = expected_kv_bytes(point.input_len, geometry)
+    expected = missing_kv_bytes(point.input_len, shared_tokens, geometry)
     per_request = total / requests if requests else None
     return {
         "source": "vllm:nixl_bytes_transferred sum/count deltas on P and D",
@@ -178,5 +223,5 @@ def upstream_kv_check(engines: dict[str, dict[str, dict[str, float | None]]], re
         "bytes_per_request": per_request,
         "transfers": count,
         "transfers_per_request": count / requests if requests else None,
-        "ok": requests > 0 and count == requests and per_request == expected,
+        "ok": requests > 0 and count == requests and per_request is not None and expected <= per_request <= full,
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 from bench.sweep.grid import Point, Workload, build_grid, make_workload, requests_for
 from bench.sweep.load import warm_up
+from bench.sweep.measure import kv_geometry
 from bench.sweep.report import report, write_json
 from bench.sweep.runs import describe, run_point, skipped_result
 from bench.sweep.stacks import ModeStack, start_stack
@@ -22,13 +24,13 @@ from kvpush.localstack.engines import reference_run
 from kvpush.localstack.process import interrupt_on_signals
 
 
-def compute_references(model_dir: Path, workloads: Sequence[Workload], log_dir: Path) -> dict[tuple[Point, int], Completion]:
-    """Single-engine greedy outputs of every checked prompt, one reference server per output length."""
+def compute_references(model_dir: Path, workloads: Sequence[Workload], log_dir: Path, prefix_caching: bool = False) -> dict[tuple[Point, int], Completion]:
+    """Single-engine greedy outputs of every checked prompt, one reference server per output length (with the sweep's prefix caching)."""
     references: dict[tuple[Point, int], Completion] = {}
     for output_len in sorted({w.point.output_len for w in workloads}):
         keys = [(w.point, i) for w in workloads if w.point.output_len == output_len for i in w.checked]
         prompts = [next(w for w in workloads if w.point == p).prompts[i] for p, i in keys]
-        outputs = reference_run(model_dir, prompts, output_len, log_path=log_dir / f"reference-out{output_len}.log")
+        outputs = reference_run(model_dir, prompts, output_len, log_path=log_dir / f"reference-out{output_len}.log", prefix_caching=prefix_caching)
         references.update(zip(keys, outputs))
     return references
 
@@ -44,13 +46,15 @@ def run_sweep(args: argparse.Namespace) -> int:
     work = results_dir / "work"
     work.mkdir(exist_ok=True)
     grid = build_grid(args.input_lens, args.qps, args.output_lens, args.iterations)
-    workloads = {p: make_workload(p, requests_for(p.qps, args.duration, args.min_requests), args.check_per_run, args.seed) for p in grid}
+    workloads = {p: make_workload(p, requests_for(p.qps, args.duration, args.min_requests), args.check_per_run, args.seed, args.shared_prefix)
+                 for p in grid}
     total_requests = sum(len(w.prompts) for w in workloads.values()) * len(args.modes)
     print(f"{len(grid)} points x {len(args.modes)} modes, {total_requests} measured requests; results in {results_dir}", flush=True)
-    model_dir = build_tiny_model(args.model or default_model_dir())
+    model_dir = build_tiny_model(args.model or default_model_dir(args.model_arch), arch=args.model_arch)
+    args.kv_geometry = kv_geometry(json.loads((model_dir / "config.json").read_text()))
     started = time.monotonic()
     print("single-engine references for the checked requests ...", flush=True)
-    references = compute_references(model_dir, list(workloads.values()), work)
+    references = compute_references(model_dir, list(workloads.values()), work, args.prefix_caching)
     print(f"  {len(references)} references in {time.monotonic() - started:.0f} s", flush=True)
     stacks: dict[str, ModeStack] = {}
     failed_start: dict[str, str] = {}
@@ -63,7 +67,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
             stack = start_stack(mode, model_dir, work / mode, args.nixl_as_shipped, args.kvpush_engine_tracing, args.kvpush_extra_config,
-                                args.vllm_spin_ms, timeline, args.aux_cpus, args.kvpush_trace_ratio)
+                                args.vllm_spin_ms, timeline, args.aux_cpus, args.kvpush_trace_ratio, args.prefix_caching)
         except Exception as exc:  # recorded; the other modes go on
             failed_start[mode] = f"stack did not start: {exc}"[:2000]
             tqdm.write(f"{mode}: {failed_start[mode]}")

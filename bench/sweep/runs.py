@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.offcpu import start_offcpu, stop_offcpu
 from bench.pyspy import start_profilers, stop_profilers
-from bench.sweep.grid import Point, Workload
+from bench.sweep.grid import Point, Workload, shared_prefix_len
 from bench.sweep.load import run_load
 from bench.sweep.measure import (
     histogram_delta,
@@ -88,11 +88,12 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
     summary["thread_runqueue_wait_ms_per_request"] = {part: thread_breakdown(waits_before[part], waits_after[part], completed) for part in ("P", "D")}
     summary["threads_repinned"] = moved_threads
     if mode == "kvpush":
-        summary["kv_bytes"] = kvpush_kv_check(stack, spans, prefix, point)
+        summary["kv_bytes"] = kvpush_kv_check(stack, spans, prefix, point, shared_prefix_len(point.input_len, args.shared_prefix), args.kv_geometry)
         if engine_spans:
             summary["breakdown"] = kvpush_breakdown(spans, prefix, wall_minus_monotonic_ns, trace_ratio)
     else:
-        summary["kv_bytes"] = upstream_kv_check(engines, len(records), point)
+        summary["kv_bytes"] = upstream_kv_check(engines, len(records), point, shared_prefix_len(point.input_len, args.shared_prefix),
+                                                args.kv_geometry)
     return {
         "mode": mode,
         "point": dataclasses.asdict(point),
@@ -104,6 +105,8 @@ def run_point(stack: ModeStack, stacks: Sequence[ModeStack], workload: Workload,
         "kvpush_engine_tracing": args.kvpush_engine_tracing,
         "kvpush_trace_ratio": trace_ratio,
         "kvpush_extra_config": args.kvpush_extra_config,
+        "prefix_caching": args.prefix_caching,
+        "shared_prefix_tokens": shared_prefix_len(point.input_len, args.shared_prefix),
         # The load's span on CLOCK_MONOTONIC and each engine's process group: where this run is in a step timeline.
         "monotonic_window_s": [started, ended],
         "engine_groups": {"P": stack.prefill.pid, "D": stack.decode.pid},

@@ -83,7 +83,7 @@ class ModeStack:
 
 def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, kvpush_engine_tracing: bool,
                 kvpush_extra: dict[str, Any], vllm_spin_ms: float | None = None, step_timeline_dir: Path | None = None,
-                aux_cpus: str | None = None, trace_ratio: float | None = None) -> ModeStack:
+                aux_cpus: str | None = None, trace_ratio: float | None = None, prefix_caching: bool = False) -> ModeStack:
     """Starts one mode's engines (P on PREFILL_CPUS, D on DECODE_CPUS, concurrently) and router.
 
     Every router exports its spans (router-side timings, kvpush transfer
@@ -95,7 +95,8 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
     every engine's vLLM queue readers spin at most `vllm_spin_ms` per wait
     (None: vLLM's 1 s after each read), see bench/engine_hooks; with
     `step_timeline_dir` every engine process writes its step timeline there;
-    with `aux_cpus` the router and the control plane run on those CPUs only.
+    with `aux_cpus` the router and the control plane run on those CPUs only;
+    `prefix_caching` turns vLLM's prefix caching on in both engines.
     """
     poll_delay_us = None if mode == "kvpush" or nixl_as_shipped else NIXL_POLL_DELAY_US
     traces = work / "traces.jsonl"
@@ -104,6 +105,6 @@ def start_stack(mode: str, model_dir: Path, work: Path, nixl_as_shipped: bool, k
         trace_ratio=trace_ratio,
         engine_env=engine_hooks_env(poll_delay_us=poll_delay_us, vllm_spin_ms=vllm_spin_ms, step_timeline_dir=step_timeline_dir), kvpush_extra=kvpush_extra,
         # Settled transfers stay queryable (GetTransfer) for the whole sweep; retention only bounds memory.
-        control_plane_args=("--retention", "7200"), router_log_level="WARNING",
+        control_plane_args=("--retention", "7200"), router_log_level="WARNING", prefix_caching=prefix_caching,
     )
     return ModeStack(mode, Stack(spec, model_dir, work).start(), SpanTail(traces))

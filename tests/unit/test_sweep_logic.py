@@ -4,8 +4,8 @@
 
 from __future__ import annotations
 
-from bench.sweep.grid import Point, build_grid, make_workload, requests_for
-from bench.sweep.measure import thread_breakdown
+from bench.sweep.grid import Point, build_grid, make_workload, requests_for, shared_prefix_len
+from bench.sweep.measure import KV_BYTES_PER_TOKEN, KvGeometry, expected_kv_bytes, kv_geometry, missing_kv_bytes, thread_breakdown
 from bench.sweep.report import cpu_verdict, per_thread, targets, upstream_side_table
 
 MODES = ("kvpush", "upstream-push", "pull")
@@ -173,3 +173,32 @@ def test_thread_cpu_lists_each_thread_from_the_floor_up_per_request():
     before = {"P/kvpush-control-": 1.0, "P/event_engine": 2.0, "P/gone": 1.0}
     after = {"P/kvpush-control-": 1.030, "P/event_engine": 2.020, "P/new": 0.005}  # 100 requests: 0.3, 0.2 and 0.05 ms each
     assert thread_breakdown(before, after, 100) == {"P/kvpush-control-": 0.3}
+
+
+def test_a_shared_prefix_workload_shares_that_fraction_of_every_prompt_and_no_more():
+    point = Point(1024, 4.0, 16, 1)
+    work = make_workload(point, 6, 2, seed=0, shared_prefix=0.75)
+    shared = shared_prefix_len(1024, 0.75)
+    assert shared == 768 and all(len(p) == 1024 for p in work.prompts)
+    assert all(p[:shared] == work.prompts[0][:shared] for p in work.prompts)
+    assert len({tuple(p[shared:shared + 8]) for p in work.prompts}) == len(work.prompts)  # suffixes differ at once
+    # The same for every mode (same seed), another prefix at another point or iteration.
+    assert make_workload(point, 6, 2, seed=0, shared_prefix=0.75).prompts == work.prompts
+    assert make_workload(Point(1024, 4.0, 16, 2), 6, 2, seed=0, shared_prefix=0.75).prompts[0][:shared] != work.prompts[0][:shared]
+    assert make_workload(point, 6, 2, seed=0).prompts != work.prompts
+
+
+def test_bytes_a_transfer_moves_once_d_caches_the_shared_prefix():
+    # kvpush, 1,023 tokens: 8 blocks; D holds the 768-token prefix's 6 whole blocks, so 2 move.
+    assert missing_kv_bytes(1023, 768) == 2 * 128 * KV_BYTES_PER_TOKEN
+    assert missing_kv_bytes(1023, 700) == 3 * 128 * KV_BYTES_PER_TOKEN  # a partly filled block is not cached
+    assert missing_kv_bytes(255, 0) == expected_kv_bytes(255) == 2 * 128 * KV_BYTES_PER_TOKEN
+
+
+def test_the_kv_geometry_of_each_tiny_model_family():
+    from kvpush.tinymodel import DEEPSEEK_V2_CONFIG, QWEN3_CONFIG
+
+    assert kv_geometry(QWEN3_CONFIG) == KvGeometry(128, KV_BYTES_PER_TOKEN)
+    mla = kv_geometry(DEEPSEEK_V2_CONFIG)
+    assert mla == KvGeometry(16, 2 * 576 * 4)  # one latent plane per layer, no K/V split
+    assert expected_kv_bytes(299, mla) == 19 * 16 * 2 * 576 * 4
