@@ -28,6 +28,8 @@ DECODE_ENGINE_ID=${DECODE_ENGINE_ID:-decode-engine-001}
 PREFILL_IP=${PREFILL_IP:-127.0.0.1}
 DECODE_IP=${DECODE_IP:-127.0.0.1}
 SIDE_CHANNEL_PORT=${SIDE_CHANNEL_PORT:-5600}
+# off (the benchmark's default: every request's whole KV crosses from P to D, the thing measured) or on.
+PREFIX_CACHING=${PREFIX_CACHING:-off}
 KV_BUFFER_DEVICE=${KV_BUFFER_DEVICE:-cuda}
 NIXL_BACKENDS=${NIXL_BACKENDS:-UCX}  # LIBFABRIC on EFA
 CONTROL_PLANE=${CONTROL_PLANE:-}
@@ -58,9 +60,13 @@ case "$MODE" in
   *) echo "serve_pd.sh: MODE must be push, pull or upstream-push, not '$MODE'" >&2; exit 2 ;;
 esac
 
-# Prefix caching off on both: every request's whole KV crosses from P to D, the thing measured.
+case "$PREFIX_CACHING" in
+  off) prefix_caching=--no-enable-prefix-caching ;;
+  on) prefix_caching=--enable-prefix-caching ;;
+  *) echo "serve_pd.sh: PREFIX_CACHING must be off or on, not '$PREFIX_CACHING'" >&2; exit 2 ;;
+esac
 cmd=("$VLLM" serve "$MODEL" --served-model-name "$SERVED_MODEL_NAME" --dtype "$DTYPE" --tensor-parallel-size "$TP_SIZE"
-  --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" --host 0.0.0.0 --port "$port" --no-enable-prefix-caching
+  --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" --host 0.0.0.0 --port "$port" "$prefix_caching"
   --kv-transfer-config "$kv_config")
 # shellcheck disable=SC2206  # EXTRA_ARGS is a word list on purpose
 cmd+=($EXTRA_ARGS)

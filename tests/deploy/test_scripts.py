@@ -34,6 +34,16 @@ def test_scripts_are_valid_bash():
         assert os.access(path, os.X_OK), path
 
 
+def test_serve_pd_turns_prefix_caching_on_when_asked_and_refuses_other_values(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t")
+    env = {"DRY_RUN": "1", "ROLE": "decode", "MODE": "push", "CONTROL_PLANE": "10.0.0.2:50051", "KVPUSH_TOKEN_FILE": str(token)}
+    on = script("serve_pd.sh", {**env, "PREFIX_CACHING": "on"})
+    assert on.returncode == 0 and "--enable-prefix-caching" in shlex.split(on.stdout), on.stderr
+    bad = script("serve_pd.sh", {**env, "PREFIX_CACHING": "yes"})
+    assert bad.returncode == 2 and "PREFIX_CACHING must be off or on" in bad.stderr
+
+
 @pytest.mark.parametrize("mode", sorted(CONNECTORS))
 @pytest.mark.parametrize(("role", "kv_role", "port"), [("prefill", "kv_producer", "8100"), ("decode", "kv_consumer", "8200")])
 def test_serve_pd_builds_the_engine_command(tmp_path, mode, role, kv_role, port):
@@ -44,7 +54,7 @@ def test_serve_pd_builds_the_engine_command(tmp_path, mode, role, kv_role, port)
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
     assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-32B"]
-    assert argv[argv.index("--port") + 1] == port and "--no-enable-prefix-caching" in argv
+    assert argv[argv.index("--port") + 1] == port and "--no-enable-prefix-caching" in argv  # the benchmark's default
     config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert (config["kv_connector"], config["kv_role"]) == (CONNECTORS[mode], kv_role)
     assert config["kv_connector_extra_config"]["backends"] == ["LIBFABRIC"]
