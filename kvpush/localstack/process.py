@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +28,29 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_fixed_port(rng: random.Random | None = None, attempts: int = 200) -> int:
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range, for a server that must be told its port.
+
+    A port from bind(0) comes from the ephemeral range, where any process's
+    outgoing connection (a TP group's gloo or ZMQ sockets starting alongside)
+    may take it before the server binds it; below the range only a bind can.
+    """
+    rng = rng or random.Random()
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(attempts):
+        port = rng.randrange(max(1024, low // 2), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port below the ephemeral range (from {low}) after {attempts} tries")
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpush.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
 from kvpush.localstack.engines import DEFAULT_START_TIMEOUT_S, ServerHandle, spawn_vllm_server, wait_until_healthy
-from kvpush.localstack.process import GroupProcess, free_port
+from kvpush.localstack.process import GroupProcess, free_fixed_port
 from kvpush.localstack.router import RouterHandle, start_router
 from kvpush.localstack.upstream import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, side_channel_env, upstream_transfer_config
 from kvpush.processes import group_members, parse_cpu_list, pin_threads
@@ -188,7 +188,7 @@ class Stack:
     def _engine_env(self, engine_id: str) -> dict[str, str]:
         if self.spec.mode == "kvpush":
             return {}
-        self.side_channel_ports[engine_id] = free_port()
+        self.side_channel_ports[engine_id] = free_fixed_port()  # NIXL's side channel is told its port (no port 0)
         return side_channel_env(self.side_channel_ports[engine_id])
 
     def _router_args(self) -> list[str]:

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from kvpush.localstack.process import GroupProcess, StartError, interrupt_on_signals, wait_for_port_file
+from kvpush.localstack.process import GroupProcess, StartError, free_fixed_port, interrupt_on_signals, wait_for_port_file
 from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.processes import group_members, thread_ids
 
@@ -113,3 +113,19 @@ def test_aux_cpus_pin_every_thread_of_the_router_and_control_plane(tmp_path):
     finally:
         for process in processes:
             process.kill()
+
+
+def test_a_fixed_port_is_free_and_below_the_ephemeral_range_so_no_outgoing_connection_takes_it():
+    import random
+    import socket
+
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    rng = random.Random(7)
+    ports = [free_fixed_port(rng) for _ in range(20)]
+    assert all(1024 <= p < low for p in ports) and len(set(ports)) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))  # free: a server can bind it
+        taken = ports[0]
+        # A port in use is skipped: the same draws find another.
+        again = free_fixed_port(random.Random(7))
+        assert again != taken and again < low
