@@ -20,15 +20,17 @@ from __future__ import annotations
 import pytest
 
 from bench.upstream import pull_route, upstream_spec
-from kvpush.localstack.completions import max_logprob_diff, max_logprob_shift
+from kvpush.localstack.completions import HttpError, completions, max_logprob_diff, max_logprob_shift
 from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
 from kvpush.localstack.engines import start_vllm_servers
+from kvpush.localstack.metrics import free_kv_blocks
 from kvpush.localstack.prompts import control_prompt, prompt_token_ids
 from kvpush.localstack.stack import Stack
 from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.telemetry.reader import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
+from tests.e2e.wait import wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -107,6 +109,33 @@ def test_the_latent_reaches_every_decode_rank_from_one_prefill_rank(tmp_path, ml
         # D counted its parts per transfer: progressive, the decode-first transfer's two layers left in two parts.
         parts = [s["attributes"].get("kvpush.parts", 0) for s in read_spans(traces) if s["name"] == "d.wait_for_kv"]
         assert max(parts) == (2 if progressive == "on" else 1), parts
+    finally:
+        for server in servers:
+            server.stop()
+        control_plane.stop()
+
+
+def test_an_mla_prefill_and_a_dense_decode_engine_are_refused_naming_both_and_give_back_every_block(tmp_path, mla_model, model_dir):
+    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-m", "decode-d"))
+    servers = []
+    try:
+        for role, engine_id, model, cpu in (("prefill", "prefill-m", mla_model, "0"), ("decode", "decode-d", model_dir, "1")):
+            servers += start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane), cpu_list=cpu,
+                                                log_path=tmp_path / f"{role}.log")], model)
+        prefill, decode = servers
+        free_before = (free_kv_blocks(prefill.url), free_kv_blocks(decode.url))
+        result = dispatch(prefill.url, "prefill-m", decode.url, "decode-d", prompt_token_ids(300, seed=1), MAX_TOKENS)
+        assert isinstance(result.decode, HttpError), result.decode  # D's request ends, with no output
+        transfer = get_transfer(control_plane, result.transfer_id)
+        assert transfer.state == transfer_pb2.TRANSFER_STATE_FAILED
+        assert "prefill engine's KV cache is MLA (a latent of 576" in transfer.detail and "decode engine's is full attention" in transfer.detail
+
+        def blocks_back():
+            for server in servers:  # vLLM publishes the gauge from engine steps
+                completions(server.url, prompt_token_ids(4, seed=7), 1)
+            return (free_kv_blocks(prefill.url), free_kv_blocks(decode.url)) == free_before or None
+
+        wait_for(blocks_back, 15, interval=0.5, what=f"free blocks back to {free_before}")
     finally:
         for server in servers:
             server.stop()
