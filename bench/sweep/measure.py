@@ -43,6 +43,7 @@ def kv_geometry(config: dict) -> KvGeometry:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return KvGeometry(BLOCK_SIZE, layers * 2 * config["num_key_value_heads"] * head_dim * 4)
 
+
 # vLLM's per-engine histograms read around every run (sum and count deltas).
 ENGINE_HISTOGRAMS = {
     "nixl_bytes": "vllm:nixl_bytes_transferred",

@@ -69,8 +69,7 @@ def describe_layer(
     An MLA layer's (`latent`) cache is [B, N, C] (C = head_size, the latent
     and the rope key of one token), [B, 1, N, C] on the CPU model runner.
     vLLM 0.32+ hands every other attention layer as a logical [B, H, N, C]
-    tensor
-    (C = key channels then value channels). Most backends store token n's key
+    tensor (C = key channels then value channels). Most backends store token n's key
     in C[:head_size] and its value in C[head_size:]. The CPU backend
     reinterprets each (block, head) page as keys transposed ([head_size,
     block_size], channel-major) followed by values ([block_size, head_size]).
