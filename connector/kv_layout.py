@@ -51,10 +51,11 @@ def build_layout(
     head_size: int,
     total_kv_heads: int,
     num_local_heads: int,
+    num_layers: int | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
 ) -> tuple[engine_pb2.KvLayout, list[MemoryRange], int]:
-    """(layout, memory ranges to register, device index)."""
+    """(layout, memory ranges to register, device index); num_layers: the model's (default: the layers given)."""
     kv_dtype = TORCH_DTYPES.get(dtype)
     if kv_dtype is None:
         raise ValueError(f"kvpush: KV cache dtype {dtype} is not supported")
@@ -64,7 +65,7 @@ def build_layout(
         total_kv_heads=total_kv_heads,
         num_local_heads=num_local_heads,
         first_head=first_head_of(tp_rank, tp_size, total_kv_heads, num_local_heads),
-        num_layers=len(layers),
+        num_layers=len(layers) if num_layers is None else num_layers,
         memory_kind=engine_pb2.MEMORY_KIND_DRAM,
     )
     for index, group in enumerate(groups):

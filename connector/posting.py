@@ -180,7 +180,7 @@ class Posting:
     def _make_write(self, plan: WritePlan, peer: Peer, ready: SourceReady, destination: transfer_pb2.Destination, part: int, final: bool):
         """Makes (does not post) one part's WRITE to one decode rank, with its notification."""
         rank = peer.ranks[plan.d_rank]
-        notif = notification(ready.transfer_id, ready.attempt, self.local.tp_rank, plan.expected, destination.first_token,
+        notif = notification(ready.transfer_id, ready.attempt, self.local.producer, plan.expected, destination.first_token,
                              destination.num_tokens, part, part if final else 0)
         if plan.pages is not None:
             return self.transport.make_pages(rank.agent, self._local_prepared, plan.pages.local, rank.prepared, plan.pages.remote,

@@ -336,7 +336,7 @@ class ProducerCore(Posting):
         """Prepares the peer rank's page table (and this rank's, once) when both sides have one: WRITEs then post by index."""
         if self.local.pages is None:
             return rank
-        rank.pages = page_table_of(rank.layout)
+        rank.pages = page_table_of(rank.layout, self.local.layers)  # a stage writes its layers of the peer's
         if rank.pages is None:
             return rank
         try:
@@ -430,7 +430,7 @@ class ProducerCore(Posting):
     def _answer(self, key: Key, outcome: int, reason: int, message: str, *, nbytes: int = 0, descriptors: int = 0, job: Job | None = None, done_ns: int = 0) -> None:
         self._remember(self._outcomes, key, (outcome, reason, message))
         request = rv_pb.ReportWriteResultRequest(
-            engine_id=self.engine_id, tp_rank=self.local.tp_rank, outcome=outcome, bytes_written=nbytes, descriptor_count=descriptors,
+            engine_id=self.engine_id, tp_rank=self.local.tp_rank, pp_rank=self.local.pp_rank, outcome=outcome, bytes_written=nbytes, descriptor_count=descriptors,
             error_message=message, reason=reason,
         )
         request.key.transfer_id, request.key.attempt = key
@@ -461,7 +461,7 @@ class Producer:
         self.core = core
         self.ready = threading.Event()  # set when a source was released
         core.on_release = self.ready.set
-        self._thread = TransferThread(f"kvpush-producer-{core.local.tp_rank}", core, poll_interval_s, idle_poll_s)
+        self._thread = TransferThread(f"kvpush-producer-{core.local.producer}", core, poll_interval_s, idle_poll_s)
         self._streams = 0
         self._member_streams: dict[str, int] = {}  # broker member -> its current stream (control loop only)
 

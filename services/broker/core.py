@@ -202,7 +202,8 @@ class BrokerCore:
         plan = peer_info = None
         if decode or peer_id:
             peer_info = self._planner.engine(peer_id, PREFILL if decode else DECODE, peer_field)
-            plan = self._planner.plan(peer_info, my_info, peer_field) if decode else self._planner.plan(my_info, peer_info, peer_field)
+            p_info, d_info = (peer_info, my_info) if decode else (my_info, peer_info)
+            plan = self._planner.plan(p_info, d_info, peer_field, f"{mine_field}.engine_id" if decode else peer_field)
         check_blocks(mine.blocks, my_info, mine.num_tokens, mine.first_token if decode else 0, mine_field)
         deadline = now + validation.positive_seconds(request.timeout, "timeout", self._config.max_timeout_s)
         write_timeout = 0.0

@@ -35,7 +35,12 @@ class EngineDirectory(Protocol):
 
 
 class Plan:
-    """Which producer rank writes to which decode ranks, for one (prefill, decode) incarnation pair."""
+    """Which producer rank writes to which decode ranks, for one (prefill, decode) incarnation pair.
+
+    A pipeline-parallel prefill engine's ranks are ordered per stage: the
+    ranks of one TP position in every stage write the same decode ranks,
+    each its stage's layers.
+    """
 
     __slots__ = ("decode_engine", "orders", "expected")
 
@@ -61,7 +66,8 @@ class EngineInfo:
         self.groups = groups
         self.rank_keys: tuple[RankKey, ...] = tuple((engine.engine_id, engine.incarnation, r.rank.tp_rank, r.rank.pp_rank) for r in engine.ranks)
         self.positions = frozenset((r.rank.tp_rank, r.rank.pp_rank) for r in engine.ranks)
-        self.rank_heads = [heads.RankHeads(r.rank.tp_rank, r.layout.first_head, r.layout.num_local_heads) for r in engine.ranks]
+        # Every pipeline stage splits heads over its TP ranks alike: the first stage's ranks stand for all.
+        self.rank_heads = [heads.RankHeads(r.rank.tp_rank, r.layout.first_head, r.layout.num_local_heads) for r in engine.ranks if r.rank.pp_rank == 0]
         self.plans: dict[str, Plan] = {}  # by decode engine id, for a prefill engine
 
 
@@ -128,8 +134,8 @@ class Planner:
         engine = self._directory.get_engine(engine_id)
         return engine is None or engine.incarnation != incarnation
 
-    def plan(self, p_info: EngineInfo, d_info: EngineInfo, field: str) -> Plan:
-        """The (cached) routing plan between two engines; they must be able to exchange KV."""
+    def plan(self, p_info: EngineInfo, d_info: EngineInfo, field: str, decode_field: str) -> Plan:
+        """The (cached) routing plan between two engines; they must be able to exchange KV (field: the peer's, in errors)."""
         p, d = p_info.engine, d_info.engine
         plan = p_info.plans.get(d.engine_id)
         if plan is not None and plan.decode_engine is d:
@@ -141,9 +147,9 @@ class Planner:
                 + (why or "they serve different models (architectures, vocabularies or KV cache formats: their compatibility hashes differ)"),
                 reason=Reason.INCOMPATIBLE_LAYOUT, field=field,
             )
-        if p.pp_size != 1 or d.pp_size != 1:
-            # Write notifications name only the producer's tp rank.
-            raise FailedPrecondition("pipeline-parallel engines cannot exchange KV in kvpush v1", reason=Reason.INCOMPATIBLE_LAYOUT, field=field)
+        if d.pp_size != 1:
+            raise FailedPrecondition(f"decode engine {d.engine_id!r} is pipeline-parallel (pp_size {d.pp_size}): kvpush writes only into "
+                                     "decode engines of pp_size 1", reason=Reason.INCOMPATIBLE_LAYOUT, field=decode_field)
         try:
             routes = heads.routes(p_info.rank_heads, d_info.rank_heads)
         except ValueError as exc:
@@ -153,7 +159,8 @@ class Planner:
             consumers = heads.consumers_of(rank_key[2], routes)
             if consumers:
                 orders.append((rank_key, tuple(consumers)))
-        expected = tuple(heads.expected_notifications(tp, routes) for tp in range(d.tp_size))
+        # Each stage of a pipeline-parallel prefill engine writes its layers: a decode rank hears from every stage.
+        expected = tuple(heads.expected_notifications(tp, routes) * p.pp_size for tp in range(d.tp_size))
         plan = p_info.plans[d.engine_id] = Plan(d, tuple(orders), expected)
         return plan
 

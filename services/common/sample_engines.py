@@ -27,6 +27,8 @@ def rank_request(
     incarnation: str = "inc-1",
     tp_rank: int = 0,
     tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
     total_kv_heads: int = 2,
     num_layers: int = 2,
     block_size: int = 16,
@@ -35,7 +37,10 @@ def rank_request(
     lease_ttl_s: float | None = None,
     mla: bool = False,
 ) -> reg_pb.RegisterEngineRankRequest:
-    """A RegisterEngineRankRequest for one rank holding vLLM's even share of the KV heads (mla: a 576-element latent on every rank)."""
+    """A RegisterEngineRankRequest for one rank holding vLLM's even share of the KV heads (mla: a 576-element latent on every rank).
+
+    A pipeline stage holds its contiguous share of the layers (num_layers is the model's).
+    """
     if mla:
         total_kv_heads = 1
     share = heads.even_split(total_kv_heads, tp_size)[tp_rank]
@@ -56,7 +61,7 @@ def rank_request(
     )
     region_bytes = block_stride * num_blocks
     planes = (engine_pb2.KV_PLANE_LATENT,) if mla else (engine_pb2.KV_PLANE_KEY, engine_pb2.KV_PLANE_VALUE)
-    for layer in range(num_layers):
+    for layer in range(pp_rank * num_layers // pp_size, (pp_rank + 1) * num_layers // pp_size):
         for plane in planes:
             layout.regions.add(
                 layer_name=f"model.layers.{layer}.self_attn.attn",
@@ -69,8 +74,9 @@ def rank_request(
                 token_stride_bytes=token_bytes,
             )
     request = reg_pb.RegisterEngineRankRequest(
-        rank=engine_pb2.EngineRank(engine_id=engine_id, incarnation=incarnation, role=role, tp_rank=tp_rank, tp_size=tp_size, pp_size=1),
-        nixl=engine_pb2.NixlAgent(agent_name=f"{engine_id}-{incarnation}-tp{tp_rank}", agent_metadata=b"nixl-metadata-placeholder", backends=["UCX"]),
+        rank=engine_pb2.EngineRank(engine_id=engine_id, incarnation=incarnation, role=role, tp_rank=tp_rank, tp_size=tp_size,
+                                 pp_rank=pp_rank, pp_size=pp_size),
+        nixl=engine_pb2.NixlAgent(agent_name=f"{engine_id}-{incarnation}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_size > 1 else ""), agent_metadata=b"nixl-metadata-placeholder", backends=["UCX"]),
         layout=layout,
         compatibility_hash=compatibility_hash,
     )
@@ -79,9 +85,9 @@ def rank_request(
     return request
 
 
-def engine_requests(engine_id: str, role: int, *, tp_size: int = 1, **kwargs) -> list[reg_pb.RegisterEngineRankRequest]:
-    """One rank_request per tp rank of an engine."""
-    return [rank_request(engine_id, role, tp_rank=r, tp_size=tp_size, **kwargs) for r in range(tp_size)]
+def engine_requests(engine_id: str, role: int, *, tp_size: int = 1, pp_size: int = 1, **kwargs) -> list[reg_pb.RegisterEngineRankRequest]:
+    """One rank_request per (pp rank, tp rank) of an engine."""
+    return [rank_request(engine_id, role, tp_rank=r, tp_size=tp_size, pp_rank=s, pp_size=pp_size, **kwargs) for s in range(pp_size) for r in range(tp_size)]
 
 
 def _timeout(seconds: float) -> duration_pb2.Duration:
@@ -156,6 +162,7 @@ def write_result_request(
     *,
     engine_id: str = "prefill-0",
     tp_rank: int = 0,
+    pp_rank: int = 0,
     outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN,
     bytes_written: int = 4096,
 ) -> rv_pb.ReportWriteResultRequest:
@@ -163,6 +170,7 @@ def write_result_request(
         key=tr_pb.TransferKey(transfer_id=transfer_id, attempt=attempt),
         engine_id=engine_id,
         tp_rank=tp_rank,
+        pp_rank=pp_rank,
         outcome=outcome,
         bytes_written=bytes_written if outcome == tr_pb.WRITE_OUTCOME_WRITTEN else 0,
     )

@@ -21,7 +21,10 @@ D = "decode-0"
 
 
 class Harness:
-    """prefill-0 (p_tp ranks) and decode-0 (d_tp ranks), every P rank and D subscribed."""
+    """prefill-0 (p_tp ranks in each of p_pp stages) and decode-0 (d_tp ranks), every P rank and D subscribed.
+
+    Producer subscriptions are keyed by the rank's number among P's ranks, stage-major (pp * p_tp + tp).
+    """
 
     def __init__(
         self,
@@ -36,6 +39,7 @@ class Harness:
         past_grace: bool = True,
         membership=None,
         mla: bool = False,
+        p_pp: int = 1,
     ):
         self.clock = ManualClock()
         self.registrar = RegistrarCore(RegistrarConfig(default_lease_ttl_s=30.0), self.clock)
@@ -47,28 +51,30 @@ class Harness:
             self.clock.advance(self.config.startup_grace_s)
         self.leases: dict[str, list[str]] = {}
         self.p_tp, self.d_tp = p_tp, d_tp
-        for engine_id, role, tp in ((P, sample.PREFILL, p_tp), (D, sample.DECODE, d_tp)):
-            self.leases[engine_id] = [self.registrar.register(r).lease_id for r in sample.engine_requests(engine_id, role, tp_size=tp, total_kv_heads=heads, mla=mla)]
+        for engine_id, role, tp, pp in ((P, sample.PREFILL, p_tp, p_pp), (D, sample.DECODE, d_tp, 1)):
+            requests = sample.engine_requests(engine_id, role, tp_size=tp, pp_size=pp, total_kv_heads=heads, mla=mla)
+            self.leases[engine_id] = [self.registrar.register(r).lease_id for r in requests]
         self.producers: dict[int, Subscription] = {}
         self.decode: Subscription | None = None
         if subscribe:
             flags = early if isinstance(early, list) else [early] * p_tp
-            for tp in range(p_tp):
-                self.subscribe_producer(tp, flags[tp])
+            for pp in range(p_pp):
+                for tp in range(p_tp):
+                    self.subscribe_producer(tp, flags[tp], pp)
             self.decode = self.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1"), D)
 
-    def subscribe_producer(self, tp: int, early: bool) -> Subscription:
-        request = rv_pb.StreamWriteOrdersRequest(engine_id=P, incarnation="inc-1", tp_rank=tp, early_orders=early)
-        self.producers[tp] = self.broker.subscribe_producer(request, P)
-        return self.producers[tp]
+    def subscribe_producer(self, tp: int, early: bool, pp: int = 0) -> Subscription:
+        request = rv_pb.StreamWriteOrdersRequest(engine_id=P, incarnation="inc-1", tp_rank=tp, pp_rank=pp, early_orders=early)
+        self.producers[pp * self.p_tp + tp] = self.broker.subscribe_producer(request, P)
+        return self.producers[pp * self.p_tp + tp]
 
     def subscribe_decode(self) -> Subscription:
         self.decode = self.broker.subscribe_decode(rv_pb.StreamTransferEventsRequest(engine_id=D, incarnation="inc-1"), D)
         return self.decode
 
-    def unsubscribe_producer(self, tp: int) -> None:
-        """Producer rank tp's stream ends (the servicer's finally)."""
-        self.broker.unsubscribe(self.producers[tp])
+    def unsubscribe_producer(self, tp: int, pp: int = 0) -> None:
+        """Producer rank (tp, pp)'s stream ends (the servicer's finally)."""
+        self.broker.unsubscribe(self.producers[pp * self.p_tp + tp])
 
     # ----- calls -----
 
@@ -89,8 +95,9 @@ class Harness:
     def prefill_done(self, transfer_id: str = "t1", attempt: int = 1, **kwargs) -> rv_pb.ReportPrefillDoneResponse:
         return self.broker.report_prefill_done(sample.prefill_done_request(transfer_id, attempt, **kwargs), P)
 
-    def write(self, transfer_id: str = "t1", attempt: int = 1, tp: int = 0, outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN, reason: int = 0) -> int:
-        request = sample.write_result_request(transfer_id, attempt, tp_rank=tp, outcome=outcome)
+    def write(self, transfer_id: str = "t1", attempt: int = 1, tp: int = 0, outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN, reason: int = 0,
+              pp: int = 0) -> int:
+        request = sample.write_result_request(transfer_id, attempt, tp_rank=tp, pp_rank=pp, outcome=outcome)
         request.reason = reason
         return self.broker.report_write_result(request, P).state
 
@@ -111,13 +118,13 @@ class Harness:
 
     # ----- outputs -----
 
-    def messages(self, tp: int = 0) -> list[rv_pb.StreamWriteOrdersResponse]:
-        return self.producers[tp].outbox.drain()
+    def messages(self, tp: int = 0, pp: int = 0) -> list[rv_pb.StreamWriteOrdersResponse]:
+        return self.producers[pp * self.p_tp + tp].outbox.drain()
 
-    def kinds(self, tp: int = 0) -> list[tuple[str, str, int]]:
-        """(kind, transfer_id, attempt) of every message queued for producer rank tp."""
+    def kinds(self, tp: int = 0, pp: int = 0) -> list[tuple[str, str, int]]:
+        """(kind, transfer_id, attempt) of every message queued for producer rank (tp, pp)."""
         out = []
-        for message in self.messages(tp):
+        for message in self.messages(tp, pp):
             kind = message.WhichOneof("message")
             body = getattr(message, kind)
             out.append((kind, body.key.transfer_id, body.key.attempt))

