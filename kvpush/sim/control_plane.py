@@ -23,7 +23,7 @@ from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RegistrarCore
-from kvpush.sim.deployment import BLOCK_SIZE
+from kvpush.sim.deployment import BLOCK_SIZE, LAYERS
 from kvpush.sim.world import Process, Stream
 
 if TYPE_CHECKING:
@@ -284,8 +284,10 @@ class EngineLink:
         open_()
 
 
-def rank_request(engine_id: str, role: int, incarnation: str, tp_rank: int, tp_size: int, ttl: float) -> reg_pb.RegisterEngineRankRequest:
-    request = sample.rank_request(engine_id, role, incarnation=incarnation, tp_rank=tp_rank, tp_size=tp_size, lease_ttl_s=ttl, block_size=BLOCK_SIZE)
-    request.nixl.agent_name = f"{engine_id}.{incarnation}.tp{tp_rank}"
+def rank_request(engine_id: str, role: int, incarnation: str, tp_rank: int, tp_size: int, ttl: float, pp_rank: int = 0,
+                 pp_size: int = 1) -> reg_pb.RegisterEngineRankRequest:
+    request = sample.rank_request(engine_id, role, incarnation=incarnation, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                                  num_layers=len(LAYERS), lease_ttl_s=ttl, block_size=BLOCK_SIZE)
+    request.nixl.agent_name = f"{engine_id}.{incarnation}.tp{tp_rank}" + (f".pp{pp_rank}" if pp_size > 1 else "")
     request.nixl.agent_metadata = request.nixl.agent_name.encode()
     return request

@@ -147,10 +147,13 @@ class DecodeEngine:
         request = self.requests.get(req_id)
         if wait is None or request is None:
             return
-        needed = (request.first_token, request.num_tokens, request.prompt_id, LAYERS)
+        needed = (request.first_token, request.num_tokens, request.prompt_id)
         landed = self.memory.landed.get(req_id, {})
-        producers = len(self.sim.prefill.ranks) if self.sim.prefill.ranks else 1
-        if len(landed) < producers or any(tokens != needed for tokens in landed.values()):
+        prefill = self.sim.prefill
+        producers = len(prefill.ranks) if prefill.ranks else 1
+        # Every producer rank wrote the registered tokens of this prompt, each its stage's layers, and the stages cover the model.
+        if (len(landed) < producers or any(tokens != (*needed, prefill.layers_of(p)) for p, tokens in landed.items())
+                or frozenset().union(*(tokens[3] for tokens in landed.values())) != LAYERS):
             self.sim.violations.add("short-receive", f"{req_id} {request.key} reported received with WRITEs {landed} for tokens {needed}")
         if request.aborted:
             self._release(req_id, False, "aborted")

@@ -1,21 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The simulated prefill engine: vLLM's scheduling of prefills (layer by layer when layer-progressive) around each rank's ProducerCore."""
+"""The simulated prefill engine: vLLM's scheduling of prefills (layer by layer when layer-progressive) around each rank's ProducerCore.
+
+A pipeline-parallel engine's stages each hold their layers; the first stage
+finishes its share of the last forward first and reports the prefill done
+(as the worker does), the later stage finishes at the forward's end.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpush.connector import write_plans
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.producer import ProducerCore
 from kvpush.connector.write_plans import LocalLayout, WritePlan
 from kvpush.engine.v1 import engine_pb2
+from kvpush.layout import heads
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
-from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, prompt_id_of, prompt_of
+from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, prompt_id_of, prompt_of, stage_layers
 from kvpush.sim.nixl import ProducerTransport, SimPlan
 from kvpush.sim.world import Process
 
@@ -24,22 +31,26 @@ if TYPE_CHECKING:
 
 
 class PrefillRank:
-    def __init__(self, engine: PrefillEngine, tp_rank: int):
+    def __init__(self, engine: PrefillEngine, tp_rank: int, pp_rank: int = 0):
         self.engine = engine
         sim = engine.sim
-        self.transport = ProducerTransport(engine.proc, sim.fabric, f"{P_ENGINE}.{engine.incarnation}.tp{tp_rank}",
+        self.transport = ProducerTransport(engine.proc, sim.fabric, f"{P_ENGINE}.{engine.incarnation}.tp{tp_rank}.pp{pp_rank}",
                                            sim.timing.write_time, sim.faults.stuck_writes, sim.violations,
                                            failed_posts=sim.faults.failed_posts)
-        kv_layout = engine_pb2.KvLayout(total_kv_heads=2, regions=[engine_pb2.KvRegion(layer_index=layer) for layer in sorted(LAYERS)])
-        layout = LocalLayout(kv_layout, tp_rank, engine.tp_size, 0)
+        self.layers = stage_layers(pp_rank, engine.pp_size)
+        kv_layout = engine_pb2.KvLayout(total_kv_heads=2, regions=[engine_pb2.KvRegion(layer_index=layer) for layer in sorted(self.layers)])
+        layout = LocalLayout(kv_layout, tp_rank, engine.tp_size, 0, pp_rank, engine.pp_size)
         self.core = ProducerCore(self.transport, layout, P_ENGINE, self._report, NoSpans(), engine.proc, plan_writes=self._plan)
         self._stream = 0
         self._next_step = float("inf")
-        request = rank_request(P_ENGINE, sample.PREFILL, engine.incarnation, tp_rank, engine.tp_size, sim.timing.registrar.default_lease_ttl_s)
+        request = rank_request(P_ENGINE, sample.PREFILL, engine.incarnation, tp_rank, engine.tp_size, sim.timing.registrar.default_lease_ttl_s,
+                               pp_rank, engine.pp_size)
         self.link = EngineLink(sim, engine.proc, engine.rpc, request, self._linked)
 
     def _linked(self) -> None:
-        orders = rv_pb.StreamWriteOrdersRequest(engine_id=P_ENGINE, incarnation=self.engine.incarnation, tp_rank=self.core.local.tp_rank, early_orders=True)
+        local = self.core.local
+        orders = rv_pb.StreamWriteOrdersRequest(engine_id=P_ENGINE, incarnation=self.engine.incarnation, tp_rank=local.tp_rank, pp_rank=local.pp_rank,
+                                                early_orders=True)
         self.link.follow("orders", orders, self._opened, self._on_order_message, self._lost)
         watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
         self.link.follow("watch", watch, lambda: None, lambda m: self.handle(("engine", m)), lambda: None)
@@ -60,8 +71,11 @@ class PrefillRank:
         # The bytes a WRITE moves are what the source holds of the destination's range,
         # which prompt's KV they are, and of which layers.
         tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token), prompt_id_of(source.ready.prompt),
-                  LAYERS if layers is None else layers)
-        return [WritePlan(d_rank, SimPlan(blocks, tokens), len(self.engine.ranks)) for d_rank in order.order.decode_tp_ranks]
+                  self.layers if layers is None else layers)
+        local = self.core.local
+        routes = heads.routes(heads.even_split(2, local.tp_size), heads.even_split(2, 1))
+        return [WritePlan(d_rank, SimPlan(blocks, tokens), write_plans.notifications_expected(local, d_rank, routes))
+                for d_rank in order.order.decode_tp_ranks]
 
     def _report(self, request) -> None:
         self.engine.rpc.call("ReportWriteResult", request)
@@ -101,7 +115,6 @@ class PrefillRequest:
     done: bool = False
     aborted: bool = False
     computing: bool = False  # its last forward runs: the source is handed over at its end, aborted or not
-    held_by: set[int] = field(default_factory=set)  # ranks still holding the source
 
 
 class PrefillEngine:
@@ -113,13 +126,18 @@ class PrefillEngine:
         self.incarnation_seq = 0
         self.requests: dict[str, PrefillRequest] = {}
         self.progressive = sim.variants.random() < 0.5  # layer-progressive push
+        self.pp_size = sim.variants.choice((1, 2))  # pipeline stages
         self.start()
 
     def start(self) -> None:
         self.incarnation_seq += 1
         self.incarnation = f"p-inc-{self.incarnation_seq}"
         self.requests = {}
-        self.ranks = [PrefillRank(self, tp) for tp in range(self.tp_size)]
+        self.ranks = [PrefillRank(self, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+
+    def layers_of(self, producer: int) -> frozenset[int]:
+        """The layers a producer rank (numbered stage-major, as its notifications say) writes."""
+        return stage_layers(producer // self.tp_size, self.pp_size)
 
     def leg(self, req_id: str, key, num_tokens: int, prompt_id: int, timeout_s: float, router_leg) -> None:
         """The router's prefill leg arrives."""
@@ -132,7 +150,8 @@ class PrefillEngine:
             self.proc.later(prefill_s - forward_s, self._forward_starts, request, forward_s)
         else:  # the last forward is the second half (no draw: schedules recorded before stay as they were)
             self.proc.later(prefill_s / 2, self._whole_forward_starts, request)
-            self.proc.later(prefill_s, self._prefill_done, request)
+            for stage in range(self.pp_size):  # the forward passes the stages in turn
+                self.proc.later(prefill_s / 2 * (1 + (stage + 1) / self.pp_size), self._stage_done, request, stage)
 
     def abort(self, req_id: str) -> None:
         request = self.requests.get(req_id)
@@ -155,7 +174,8 @@ class PrefillEngine:
         layers = sorted(LAYERS)
         for i, layer in enumerate(layers[:-1]):
             self.proc.later(forward_s * (i + 1) / len(layers), self._layer_done, request, layer)
-        self.proc.later(forward_s, self._prefill_done, request)
+        for stage in range(self.pp_size):  # a stage is done with its last layer
+            self.proc.later(forward_s * (layers.index(max(stage_layers(stage, self.pp_size))) + 1) / len(layers), self._stage_done, request, stage)
 
     def _whole_forward_starts(self, request: PrefillRequest) -> None:
         """The last forward of a prefill written whole at its end: the ranks make its WRITE meanwhile."""
@@ -174,27 +194,37 @@ class PrefillEngine:
     def _layer_done(self, request: PrefillRequest, layer: int) -> None:
         if self.requests.get(request.req_id) is request:
             for rank in self.ranks:
-                rank.handle(("layer", (request.key,), layer, None))
+                if layer in rank.layers:
+                    rank.handle(("layer", (request.key,), layer, None))
 
-    def _prefill_done(self, request: PrefillRequest) -> None:
-        if (request.aborted and not request.computing) or self.requests.get(request.req_id) is not request:
+    def _stage_done(self, request: PrefillRequest, stage: int) -> None:
+        """A stage's share of the last forward ends: its ranks hold the source. The first stage reports the prefill done, the last answers."""
+        first, last = stage == 0, stage == self.pp_size - 1
+        if first and ((request.aborted and not request.computing) or self.requests.get(request.req_id) is not request):
             return
-        request.done = True
+        if not first and not request.computing:
+            return  # the forward never ran
         ready = self._source(request)
-        request.held_by = set(range(self.tp_size))
         for rank in self.ranks:
-            rank.handle(("source", ready, None))
+            if rank.core.local.pp_rank == stage:
+                rank.handle(("source", ready, None))
+        request.done = request.done or last
         if request.aborted:
             return  # its blocks were handed over with the forward: released by the ranks; the router has its answer
+        if last:
+            self.sim.network.deliver(self.sim.router.proc, self.sim.router.prefill_answered, request.router_leg, True, lossy=False)
+        if not first:
+            return
         report = sample.prefill_done_request(request.key[0], request.key[1], incarnation=self.incarnation, num_tokens=request.num_tokens,
                                              block_size=BLOCK_SIZE, timeout_s=request.timeout_s, decode_engine_id=request.decode_engine,
                                              client_request_id=request.req_id)
         self.rpc.call("ReportPrefillDone", report)
-        self.sim.network.deliver(self.sim.router.proc, self.sim.router.prefill_answered, request.router_leg, True, lossy=False)
 
     def released(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
-            self.requests.pop(req_id, None)
+            request = self.requests.get(req_id)
+            if request is not None and request.done:  # else a later stage still computes it
+                del self.requests[req_id]
 
     def kill(self, downtime: float) -> None:
         self.proc.kill()

@@ -14,11 +14,13 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from kvpush.connector import write_plans
 from kvpush.connector.consumer import ConsumerCore, Receive
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
+from kvpush.layout import heads
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.broker import attempts as a
 from kvpush.services.broker import checks
@@ -196,6 +198,11 @@ def _lease_doubt_fences_at_once():
     return patched((AttemptMachine, "end", end))
 
 
+def _stages_not_counted():
+    """S1. A pipeline-parallel prefill's decode ranks counted one notification per TP rank, not per (stage, rank): they decoded once any stage had written."""
+    return patched((write_plans, "notifications_expected", lambda local, d_rank, routes: heads.expected_notifications(d_rank, routes)))
+
+
 @dataclass(frozen=True)
 class Defect:
     number: str
@@ -212,30 +219,32 @@ class Defect:
 
 # Found by the simulation (seeds from `python tests/sim/defects.py`, which searches from seed 0).
 SIMULATED = [
-    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (302, 494, 785)),
-    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 10, 21)),
-    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (729, 892, 999)),
-    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (18, 41, 49)),
+    Defect("1", "lost rank fenced at once", _lost_rank_fenced_at_once, "write-after-free", (225, 1397, 1598)),
+    Defect("3", "early order skips the token check", _early_order_skips_token_check, "short-receive", (8, 21, 33)),
+    Defect("4a", "budget measured from receipt", _budget_from_receipt, "write-after-free", (191, 246, 266)),
+    Defect("4b", "ended attempt never fenced by time", _ended_attempt_never_times_out, "leak", (14, 29, 41)),
     Defect(
         "4c",
         "hold margin not validated",
         _hold_margin_unchecked,
         "write-after-free",
-        (206, 404, 1242),
+        (29, 253, 882),
         replace(Timing(), hold_margin_s=0.01),
     ),
     Defect("5a", "no WRITE timeout", _no_write_timeout, "leak", (3, 4, 6)),
-    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (132, 674, 798)),
-    Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (447, 462, 578)),
-    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (2344, 3174, 3324)),
-    Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (1, 2, 3)),
+    Defect("5b", "peer agent unloaded with WRITEs in flight", _peer_unloaded_in_flight, "agent-unloaded-in-flight", (234, 674, 775)),
+    Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (351, 447, 450)),
+    Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (164, 489, 1766)),
+    Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (2, 3, 4)),
     # Found once the transport model stopped letting a release recall bytes already sent (kvpush/sim/nixl.py).
-    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (22, 75, 102)),
-    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (4, 11, 22)),
+    Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (4, 22, 42)),
+    Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (83, 162, 198)),
     # Found once P made its WRITEs during the forward (a made WRITE unloaded with its agent shows it).
-    Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (50470, 51330, 53561)),
+    Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (36902, 53561, 62142)),
     # Found once the broker member could doubt its lease (kvpush/sim/control_plane.py).
-    Defect("L1", "lease doubt fenced at once", _lease_doubt_fences_at_once, "write-after-free", (76, 145, 153)),
+    Defect("L1", "lease doubt fenced at once", _lease_doubt_fences_at_once, "write-after-free", (3, 38, 45)),
+    # Found once the simulated prefill engine could be pipeline-parallel (kvpush/sim/prefill.py).
+    Defect("S1", "stages not counted", _stages_not_counted, "short-receive", (0, 1, 2)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random
