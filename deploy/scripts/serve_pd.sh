@@ -19,6 +19,7 @@ MODEL=${MODEL:-Qwen/Qwen3-32B}
 SERVED_MODEL_NAME=${SERVED_MODEL_NAME:-Qwen}
 DTYPE=${DTYPE:-bfloat16}
 TP_SIZE=${TP_SIZE:-8}
+PP_SIZE=${PP_SIZE:-1}  # pipeline-parallel size; above 1 on a prefill engine only (kvpush writes into decode engines of PP 1)
 MAX_MODEL_LEN=${MAX_MODEL_LEN:-32768}
 MAX_NUM_SEQS=${MAX_NUM_SEQS:-8}
 PREFILL_PORT=${PREFILL_PORT:-8100}
@@ -60,13 +61,17 @@ case "$MODE" in
   *) echo "serve_pd.sh: MODE must be push, pull or upstream-push, not '$MODE'" >&2; exit 2 ;;
 esac
 
+if [[ "$ROLE" == decode && "$MODE" == push && "$PP_SIZE" != 1 ]]; then
+  echo "serve_pd.sh: PP_SIZE=$PP_SIZE: kvpush writes into decode engines of pipeline-parallel size 1 (a prefill engine may be pipeline-parallel)" >&2
+  exit 2
+fi
 case "$PREFIX_CACHING" in
   off) prefix_caching=--no-enable-prefix-caching ;;
   on) prefix_caching=--enable-prefix-caching ;;
   *) echo "serve_pd.sh: PREFIX_CACHING must be off or on, not '$PREFIX_CACHING'" >&2; exit 2 ;;
 esac
 cmd=("$VLLM" serve "$MODEL" --served-model-name "$SERVED_MODEL_NAME" --dtype "$DTYPE" --tensor-parallel-size "$TP_SIZE"
-  --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" --host 0.0.0.0 --port "$port" "$prefix_caching"
+  --pipeline-parallel-size "$PP_SIZE" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs "$MAX_NUM_SEQS" --host 0.0.0.0 --port "$port" "$prefix_caching"
   --kv-transfer-config "$kv_config")
 # shellcheck disable=SC2206  # EXTRA_ARGS is a word list on purpose
 cmd+=($EXTRA_ARGS)

@@ -44,6 +44,17 @@ def test_serve_pd_turns_prefix_caching_on_when_asked_and_refuses_other_values(tm
     assert bad.returncode == 2 and "PREFIX_CACHING must be off or on" in bad.stderr
 
 
+def test_serve_pd_runs_a_pipeline_parallel_prefill_engine_and_refuses_a_pipeline_parallel_decode_engine(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("t")
+    env = {"DRY_RUN": "1", "MODE": "push", "CONTROL_PLANE": "10.0.0.2:50051", "KVPUSH_TOKEN_FILE": str(token), "PP_SIZE": "2"}
+    prefill = script("serve_pd.sh", {**env, "ROLE": "prefill"})
+    argv = shlex.split(prefill.stdout)
+    assert prefill.returncode == 0 and argv[argv.index("--pipeline-parallel-size") + 1] == "2", prefill.stderr
+    decode = script("serve_pd.sh", {**env, "ROLE": "decode"})
+    assert decode.returncode == 2 and "decode engines of pipeline-parallel size 1" in decode.stderr
+
+
 @pytest.mark.parametrize("mode", sorted(CONNECTORS))
 @pytest.mark.parametrize(("role", "kv_role", "port"), [("prefill", "kv_producer", "8100"), ("decode", "kv_consumer", "8200")])
 def test_serve_pd_builds_the_engine_command(tmp_path, mode, role, kv_role, port):
