@@ -28,11 +28,12 @@ class LayerTensor:
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One KV cache group: its block size, block count and attention kind (engine_pb2.KvCacheGroupKind)."""
+    """One KV cache group: its block size, block count, attention kind (engine_pb2.KvCacheGroupKind) and sliding window."""
 
     block_size: int
     num_blocks: int
     kind: int = engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
+    sliding_window: int = 0
 
 
 def first_head_of(tp_rank: int, tp_size: int, total_heads: int, local_heads: int) -> int:
@@ -69,7 +70,8 @@ def build_layout(
         memory_kind=engine_pb2.MEMORY_KIND_DRAM,
     )
     for index, group in enumerate(groups):
-        layout.groups.add(group_index=index, kind=group.kind, block_size=group.block_size, num_blocks=group.num_blocks)
+        layout.groups.add(group_index=index, kind=group.kind, block_size=group.block_size, num_blocks=group.num_blocks,
+                          sliding_window=group.sliding_window)
     ranges: list[MemoryRange] = []
     device = 0
     for layer in sorted(layers, key=lambda layer: layer.layer_index):
@@ -87,5 +89,16 @@ def build_layout(
                                head_stride_bytes=plane.head_stride, token_stride_bytes=plane.token_stride,
                                channel_stride_bytes=plane.channel_stride, device_id=device)
         storage = tensor.untyped_storage()
-        ranges.append(MemoryRange(storage.data_ptr(), storage.nbytes(), device))
+        memory = MemoryRange(storage.data_ptr(), storage.nbytes(), device)
+        if memory not in ranges:  # a hybrid's groups may share one tensor per layer pair (vLLM's KVCacheTensor.shared_by)
+            ranges.append(memory)
     return layout, ranges, device
+
+
+def sliding_window_of(spec: Any) -> int:
+    """The window of a vLLM SlidingWindowSpec, 0 for any other spec.
+
+    A FullAttentionSpec may carry a sliding_window too (vLLM's hybrid KV
+    cache manager off): it keeps every block, so every block moves.
+    """
+    return (spec.sliding_window or 0) if type(spec).__name__ == "SlidingWindowSpec" else 0

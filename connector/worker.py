@@ -23,7 +23,7 @@ from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.control import ControlSession
 from kvpush.connector.forward_times import ForwardTimes
 from kvpush.connector.handoff import SourceReady
-from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
+from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout, sliding_window_of
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
 from kvpush.connector.producer import Producer, ProducerCore
@@ -45,7 +45,8 @@ TRANSFER_FORMAT = "kvpush1"
 AUTO_PROGRESS_THREAD_MS = {"prefill": 100, "decode": 5}
 AUTO_WAITING_POLL_MS = 5  # waiting_poll_ms "auto" for a KV cache in host memory
 # The KV cache specs kvpush moves (vLLM's class names; MLAAttentionSpec subclasses FullAttentionSpec, so by exact name).
-GROUP_KINDS = {"FullAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION, "MLAAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_MLA}
+GROUP_KINDS = {"FullAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION, "MLAAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_MLA,
+               "SlidingWindowSpec": engine_pb2.KV_CACHE_GROUP_KIND_SLIDING_WINDOW}
 
 
 def incarnation_of(vllm_config: Any, engine_id: str) -> str:
@@ -174,12 +175,12 @@ class KvpushWorker:
             kind = GROUP_KINDS.get(type(spec).__name__)
             if kind is None:
                 raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; kvpush moves "
-                                 f"{' and '.join(GROUP_KINDS)} groups")
-            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks, kind))
+                                 f"{', '.join(GROUP_KINDS)} groups")
+            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks, kind, sliding_window_of(spec)))
             kinds.add(kind)
             layers += [LayerTensor(extract_layer_index(n), n, group_index, kv_caches[n]) for n in group.layer_names]
-        if len(kinds) != 1:
-            raise ValueError("kvpush: a model mixing MLA and full-attention KV cache groups is not supported")
+        if engine_pb2.KV_CACHE_GROUP_KIND_MLA in kinds and len(kinds) != 1:
+            raise ValueError("kvpush: a model mixing MLA and other KV cache groups is not supported")
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         # An MLA latent is one head, the same on every TP rank: every rank holds "head 0" of 1.
         mla = kinds == {engine_pb2.KV_CACHE_GROUP_KIND_MLA}

@@ -119,6 +119,8 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
     first_token = destination.first_token
     token_range = (first_token, first_token + destination.num_tokens)
     dst_blocks = {b.group_index: b.block_ids for b in destination.blocks}
+    # A sliding-window group's destination starts at its window (its blocks before it are not D's to write).
+    dst_first = {b.group_index: max(b.first_token, first_token) for b in destination.blocks}
     plans = []
     for d_rank in order.decode_tp_ranks:
         mine = [r for r in routes if r.producer == local.tp_rank and r.consumer == d_rank]
@@ -127,19 +129,23 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
         if local.pages is not None and rank.prepared is not None and len(mine) == 1:
             group = local.layout.groups[0].group_index
             src = side_of(local.layout, group, ready.blocks[0], 0)
-            dst = side_of(rank.layout, group, dst_blocks[group], first_token, local.layers)
+            dst = side_of(rank.layout, group, dst_blocks[group], dst_first[group], local.layers)
             route = (mine[0].first_head, mine[0].stop)
             if route not in rank.page_routes:
                 rank.page_routes[route] = pages_match(src, dst, local.pages, rank.pages, route)
-            pages = page_write(src, dst, local.pages, rank.pages, token_range, layers) if rank.page_routes[route] else None
+            group_range = (dst_first[group], token_range[1])
+            pages = page_write(src, dst, local.pages, rank.pages, group_range, layers) if rank.page_routes[route] else None
             if pages is not None:
                 plans.append(WritePlan(d_rank, None, expected, pages))
                 continue
         parts = []
         for group, src_ids in enumerate(ready.blocks):
             src = side_of(local.layout, group, src_ids, 0, layers)
-            dst = side_of(rank.layout, group, dst_blocks[group], first_token, local.layers if layers is None else layers)
-            parts += [build_plan(src, dst, token_range, (r.first_head, r.stop)) for r in mine]
+            if not src.planes:
+                continue  # none of the layers asked for is in this group (a layer-progressive part)
+            dst = side_of(rank.layout, group, dst_blocks[group], dst_first[group], local.layers if layers is None else layers)
+            group_range = (dst_first[group], token_range[1])
+            parts += [build_plan(src, dst, group_range, (r.first_head, r.stop)) for r in mine]
         plans.append(WritePlan(d_rank, _concat(parts), expected))
     return plans
 

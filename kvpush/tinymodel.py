@@ -12,8 +12,20 @@ One builder, one architecture argument (`ARCHITECTURES`):
   MLPs): one latent plane per layer, the same on every TP rank. vLLM's CPU
   platform runs it with block size 16 and turns prefix caching and chunked
   prefill off.
+- `gemma3`: a 2-layer Gemma-3-style text model (`Gemma3ForCausalLM`,
+  model_type `gemma3_text`; hidden 256, 4 query heads and 2 KV heads of size
+  64, so TP 2 works): layer 0 is sliding-window attention over the last
+  `sliding_window` = 64 tokens, layer 1 full attention, so vLLM makes two KV
+  cache groups (a sliding-window one and a full one), a key and a value plane
+  per layer. vLLM's CPU platform runs it with block size 128 and the hybrid
+  KV cache manager on: both groups take blocks from one pool over one
+  buffer, and the sliding group's blocks below the window are replaced by the
+  null block 0. Gemma's norms scale by `1 + weight` and its embeddings are
+  multiplied by sqrt(hidden): norm weights are stored as zeros and the
+  embedding std is divided by sqrt(hidden) so that every family starts its
+  residual stream at the same scale.
 
-Both share a byte-level BPE tokenizer trained on a built-in corpus. Every
+All share a byte-level BPE tokenizer trained on a built-in corpus. Every
 tensor is drawn from its own `torch.Generator`, seeded from `(architecture,
 seed, tensor name)`, and written in float32 with safetensors, so the same
 seed gives byte-identical files on any machine. Weights are scaled well
@@ -37,7 +49,7 @@ import random
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 MANIFEST = "kvpush-model.json"
@@ -89,7 +101,29 @@ DEEPSEEK_V2_CONFIG: dict = {
     "first_k_dense_replace": 2,  # = num_hidden_layers: every MLP dense, no expert weights
 }
 
-# Standard deviation of each weight kind; norms are 1.
+GEMMA3_SLIDING_WINDOW = 64
+
+GEMMA3_CONFIG: dict = {
+    # Gemma names the activation `hidden_activation` and keeps one RoPE per layer type.
+    **{key: value for key, value in _COMMON_CONFIG.items() if key not in ("hidden_act", "rope_parameters")},
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 64,  # attention scale 1/sqrt(head_dim), as for qwen3
+    "layer_types": ["sliding_attention", "full_attention"],
+    "sliding_window": GEMMA3_SLIDING_WINDOW,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+}
+
+# Standard deviation of each weight kind (an architecture may override some); norms are its unit scale.
 INIT_STD: dict[str, float] = {
     "embed_tokens": 1.0,
     "q_proj": 0.5,
@@ -153,13 +187,30 @@ def _deepseek_v2_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _gemma3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    shapes = _qwen3_shapes(config)  # the same projections and per-head q/k norms
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "pre_feedforward_layernorm.weight": (config["hidden_size"],),
+            p + "post_feedforward_layernorm.weight": (config["hidden_size"],),
+        })
+    return shapes
+
+
 @dataclass(frozen=True)
 class Architecture:
-    """One tiny model family: its config.json base and its parameters' names and shapes (HF naming)."""
+    """One tiny model family: its config.json base and its parameters' names and shapes (HF naming).
+
+    `unit_norm` is the stored norm weight that scales by 1 (Gemma's norms
+    multiply by `1 + weight`); `init_std` overrides `INIT_STD` per weight kind.
+    """
 
     name: str
     config: dict
     weight_shapes: Callable[[dict], dict[str, tuple[int, ...]]]
+    unit_norm: float = 1.0
+    init_std: dict[str, float] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -170,6 +221,9 @@ class Architecture:
 ARCHITECTURES = {
     "qwen3": Architecture("qwen3", QWEN3_CONFIG, _qwen3_shapes),
     "deepseek_v2": Architecture("deepseek_v2", DEEPSEEK_V2_CONFIG, _deepseek_v2_shapes),
+    # Gemma multiplies the embeddings by sqrt(hidden_size) = 16.
+    "gemma3": Architecture("gemma3", GEMMA3_CONFIG, _gemma3_shapes, unit_norm=0.0,
+                           init_std={"embed_tokens": INIT_STD["embed_tokens"] / GEMMA3_CONFIG["hidden_size"] ** 0.5}),
 }
 DEFAULT_ARCHITECTURE = "qwen3"
 
@@ -180,6 +234,14 @@ def architecture(name: str) -> Architecture:
         return ARCHITECTURES[name]
     except KeyError:
         raise ValueError(f"unknown tiny-model architecture {name!r}; known: {', '.join(sorted(ARCHITECTURES))}") from None
+
+
+def architecture_of(config: dict) -> Architecture:
+    """The architecture a config.json belongs to (by its `model_type`)."""
+    for arch in ARCHITECTURES.values():
+        if arch.config["model_type"] == config["model_type"]:
+            return arch
+    raise ValueError(f"no tiny-model architecture has model_type {config['model_type']!r}")
 
 
 CHAT_TEMPLATE = (
@@ -295,25 +357,29 @@ def model_config(vocab_size: int, eos_token_id: int, pad_token_id: int, arch: st
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Names and shapes of every parameter of the config's architecture, in HF naming."""
-    return architecture(config["model_type"]).weight_shapes(config)
+    return architecture_of(config).weight_shapes(config)
 
 
 def make_weights(config: dict, seed: int) -> dict:
     """Draws every tensor from a generator seeded by `(architecture, seed, name)`.
 
-    Linear weights are normal with the `INIT_STD` of their kind divided by
-    sqrt(fan_in) (embeddings are not divided), norms are ones.
+    Linear weights are normal with the `INIT_STD` of their kind (or the
+    architecture's override) divided by sqrt(fan_in) (embeddings are not
+    divided); norms hold the architecture's unit scale (ones; zeros for
+    Gemma's `1 + weight` norms).
     """
     import torch
 
-    label = config["model_type"]
+    arch = architecture_of(config)
+    label = arch.name
     tensors = {}
     for name, shape in sorted(weight_shapes(config).items()):
         if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.float32)
+            tensors[name] = torch.full(shape, arch.unit_norm, dtype=torch.float32)
             continue
         kind = name.split(".")[-2]
-        std = INIT_STD[kind] if kind == "embed_tokens" else INIT_STD[kind] * 16.0 / shape[1] ** 0.5
+        base = arch.init_std.get(kind, INIT_STD[kind])
+        std = base if kind == "embed_tokens" else base * 16.0 / shape[1] ** 0.5
         digest = hashlib.sha256(f"kvpush-tiny-{label}:{seed}:{name}".encode()).digest()
         gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
         tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std
@@ -391,7 +457,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0, arch: str = DEFAULT_ARCHITECT
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Adds the `kvpush build-model` flags."""
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=DEFAULT_ARCHITECTURE,
-                        help="model family: qwen3 (dense attention, the default) or deepseek_v2 (MLA)")
+                        help="model family: qwen3 (dense attention, the default), deepseek_v2 (MLA) "
+                             "or gemma3 (sliding-window + full attention)")
     parser.add_argument("--out", type=Path, default=None,
                         help="model folder (default: $KVPUSH_MODEL_DIR for qwen3, else models/tiny-<arch> in the checkout)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")

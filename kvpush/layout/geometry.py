@@ -170,3 +170,15 @@ def compatibility_fields(layout: engine_pb2.KvLayout) -> tuple:
     per-token per-head element layout may not.
     """
     return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers, tuple(sorted({g.kind for g in layout.groups})))
+
+
+def window_first_token(first_token: int, end_token: int, block_size: int, sliding_window: int) -> int:
+    """The first token of [first_token, end_token) a sliding-window group moves, block-aligned (first_token itself without a window).
+
+    D's first decode step computes token end_token (the prompt's last) and
+    reads the window's tokens before it, [end_token + 1 - sliding_window,
+    end_token); vLLM gives back the blocks wholly before them, on P too.
+    """
+    if not sliding_window:
+        return first_token
+    return max(first_token, max(end_token + 1 - sliding_window, 0) // block_size * block_size)

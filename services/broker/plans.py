@@ -14,7 +14,7 @@ from typing import Protocol
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import FailedPrecondition, InvalidArgument, NotFound, Reason
 from kvpush.layout import heads
-from kvpush.layout.geometry import layout_mismatch
+from kvpush.layout.geometry import layout_mismatch, window_first_token
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.attempts import RankKey
 from kvpush.services.common import validation
@@ -57,12 +57,13 @@ class EngineInfo:
 
     def __init__(self, engine: reg_pb.Engine):
         self.engine = engine
-        groups: dict[int, tuple[int, int]] = {}
+        groups: dict[int, tuple[int, int, int]] = {}  # group index -> (block size, block count, sliding window or 0)
         for registered in engine.ranks:
             for group in registered.layout.groups:
                 known = groups.get(group.group_index)
                 # Ranks of one engine share block tables; the smallest pool is the safe bound.
-                groups[group.group_index] = (group.block_size, group.num_blocks if known is None else min(known[1], group.num_blocks))
+                groups[group.group_index] = (group.block_size, group.num_blocks if known is None else min(known[1], group.num_blocks),
+                                             group.sliding_window if group.kind == engine_pb2.KV_CACHE_GROUP_KIND_SLIDING_WINDOW else 0)
         self.groups = groups
         self.rank_keys: tuple[RankKey, ...] = tuple((engine.engine_id, engine.incarnation, r.rank.tp_rank, r.rank.pp_rank) for r in engine.ranks)
         self.positions = frozenset((r.rank.tp_rank, r.rank.pp_rank) for r in engine.ranks)
@@ -178,13 +179,22 @@ def check_blocks(blocks, info: EngineInfo, num_tokens: int, first_token: int, si
         if group is None or block_list.group_index in seen:
             raise invalid(f"group_index {block_list.group_index} is unknown or listed twice", f"{side}.blocks[{i}].group_index")
         seen.add(block_list.group_index)
-        block_size, num_blocks = group
+        block_size, num_blocks, window = group
         if first_token % block_size:
             raise invalid(f"first_token {first_token} is not a multiple of the block size {block_size}", f"{side}.first_token")
+        group_first = max(block_list.first_token, first_token)
+        if group_first > first_token:
+            # Only a sliding-window group may start later, and never past the window D's first decode step reads.
+            latest = window_first_token(first_token, first_token + num_tokens, block_size, window)
+            if group_first > latest or group_first % block_size:
+                raise invalid(f"group {block_list.group_index} may start at token {latest} at the latest, on a block boundary, not "
+                              f"{group_first}" + ("" if window else " (it keeps every token: it is not a sliding-window group)"),
+                              f"{side}.blocks[{i}].first_token")
         ids = block_list.block_ids
-        needed = -(-num_tokens // block_size)
+        needed = -(-(first_token + num_tokens) // block_size) - group_first // block_size
         if len(ids) != needed:
-            raise invalid(f"{num_tokens} tokens in blocks of {block_size} need {needed} block ids, not {len(ids)}", f"{side}.blocks[{i}].block_ids")
+            raise invalid(f"tokens [{group_first}, {first_token + num_tokens}) in blocks of {block_size} need {needed} block ids, not {len(ids)}",
+                          f"{side}.blocks[{i}].block_ids")
         if max(ids) >= num_blocks:
             j = next(j for j, block_id in enumerate(ids) if block_id >= num_blocks)
             raise InvalidArgument(

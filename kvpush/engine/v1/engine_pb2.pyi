@@ -40,6 +40,7 @@ class KvCacheGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_CACHE_GROUP_KIND_UNSPECIFIED: _ClassVar[KvCacheGroupKind]
     KV_CACHE_GROUP_KIND_FULL_ATTENTION: _ClassVar[KvCacheGroupKind]
     KV_CACHE_GROUP_KIND_MLA: _ClassVar[KvCacheGroupKind]
+    KV_CACHE_GROUP_KIND_SLIDING_WINDOW: _ClassVar[KvCacheGroupKind]
 ENGINE_ROLE_UNSPECIFIED: EngineRole
 ENGINE_ROLE_PREFILL: EngineRole
 ENGINE_ROLE_DECODE: EngineRole
@@ -59,6 +60,7 @@ KV_PLANE_LATENT: KvPlane
 KV_CACHE_GROUP_KIND_UNSPECIFIED: KvCacheGroupKind
 KV_CACHE_GROUP_KIND_FULL_ATTENTION: KvCacheGroupKind
 KV_CACHE_GROUP_KIND_MLA: KvCacheGroupKind
+KV_CACHE_GROUP_KIND_SLIDING_WINDOW: KvCacheGroupKind
 
 class EngineRank(_message.Message):
     __slots__ = ("engine_id", "incarnation", "role", "tp_rank", "tp_size", "pp_rank", "pp_size")
@@ -113,16 +115,18 @@ class KvRegion(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., layer_index: _Optional[int] = ..., group_index: _Optional[int] = ..., plane: _Optional[_Union[KvPlane, str]] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., channel_stride_bytes: _Optional[int] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("group_index", "kind", "block_size", "num_blocks")
+    __slots__ = ("group_index", "kind", "block_size", "num_blocks", "sliding_window")
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     group_index: int
     kind: KvCacheGroupKind
     block_size: int
     num_blocks: int
-    def __init__(self, group_index: _Optional[int] = ..., kind: _Optional[_Union[KvCacheGroupKind, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, group_index: _Optional[int] = ..., kind: _Optional[_Union[KvCacheGroupKind, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("dtype", "head_size", "total_kv_heads", "first_head", "num_local_heads", "num_layers", "memory_kind", "groups", "regions")
@@ -147,9 +151,11 @@ class KvLayout(_message.Message):
     def __init__(self, dtype: _Optional[_Union[KvDtype, str]] = ..., head_size: _Optional[int] = ..., total_kv_heads: _Optional[int] = ..., first_head: _Optional[int] = ..., num_local_heads: _Optional[int] = ..., num_layers: _Optional[int] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., groups: _Optional[_Iterable[_Union[KvCacheGroup, _Mapping]]] = ..., regions: _Optional[_Iterable[_Union[KvRegion, _Mapping]]] = ...) -> None: ...
 
 class BlockList(_message.Message):
-    __slots__ = ("group_index", "block_ids")
+    __slots__ = ("group_index", "block_ids", "first_token")
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     group_index: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    first_token: int
+    def __init__(self, group_index: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ...) -> None: ...

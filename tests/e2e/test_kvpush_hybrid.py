@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A hybrid model (a sliding-window and a full-attention KV cache group) between real vLLM CPU engines, with any TP sizes.
+
+The tiny Gemma-3-style model's layer 0 attends to the last 64 tokens, layer
+1 to all; vLLM-CPU gives both groups 128-token blocks from one pool and
+gives back the sliding group's blocks below the window. D registers, per
+group, what its first decode step reads: every block of the full group,
+only the window's blocks of the sliding group; P writes those, so the
+sliding group's bytes stay flat as prompts grow. Outputs are compared with
+a single plain engine (token ids equal, logprobs within 1e-3), in both
+arrival orders. The 191-token prompt puts the window's first token on the
+last slot of a block that vLLM frees when P's request finishes: P holds it
+until its WRITE is done.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.layout.geometry import window_first_token
+from kvpush.localstack.completions import max_logprob_diff
+from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.localstack.engines import reference_run, start_vllm_servers
+from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
+from kvpush.rendezvous.v1 import transfer_pb2
+from kvpush.tinymodel import GEMMA3_SLIDING_WINDOW, build_tiny_model, default_model_dir
+
+pytestmark = pytest.mark.engine
+
+PROMPT_LENGTHS = (9, 191, 300, 1000)
+MAX_TOKENS = 6
+BLOCK_SIZE = 128  # vLLM-CPU's default, both groups
+LAYER_BYTES_PER_TOKEN = 2 * 2 * 64 * 4  # planes x KV heads x head size x float32, one layer per group
+
+
+@pytest.fixture(scope="module")
+def hybrid_model():
+    return build_tiny_model(default_model_dir("gemma3"), arch="gemma3")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, hybrid_model):
+    prompts = [prompt_token_ids(n, seed=n) for n in PROMPT_LENGTHS]
+    return prompts, reference_run(hybrid_model, prompts, MAX_TOKENS, log_path=tmp_path_factory.mktemp("ref") / "reference.log")
+
+
+def expected_bytes(prompt_len: int, whole_pages: bool) -> tuple[int, int]:
+    """(full group, sliding group) bytes: tokens [0, N-1) and the window's [w, N-1), whole blocks when P and D split heads alike."""
+    end = prompt_len - 1
+    window = window_first_token(0, end, BLOCK_SIZE, GEMMA3_SLIDING_WINDOW)
+    if whole_pages:
+        blocks = -(-end // BLOCK_SIZE)
+        return blocks * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN, (blocks - window // BLOCK_SIZE) * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
+    return end * LAYER_BYTES_PER_TOKEN, (end - window) * LAYER_BYTES_PER_TOKEN
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1)], ids=["P-tp1_to_D-tp1", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1"])
+def test_the_full_group_moves_whole_and_the_sliding_group_its_window(tmp_path, hybrid_model, reference, p_tp, d_tp):
+    prompts, expected = reference
+    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-h", "decode-h"))
+    servers = []
+    try:
+        servers = start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, f"{role}-h", control_plane),
+                                           extra_args=["--tensor-parallel-size", str(tp)], cpu_list=cpu, log_path=tmp_path / f"{role}.log")
+                                      for role, tp, cpu in (("prefill", p_tp, "0"), ("decode", d_tp, "1"))], hybrid_model)
+        prefill, decode = servers
+        sliding_bytes = []
+        for i, (prompt, want) in enumerate(zip(prompts, expected)):
+            if i == 2:  # both arrival orders, forced
+                results = [dispatch_in_order(control_plane, prefill.url, "prefill-h", decode.url, "decode-h", prompt, MAX_TOKENS, first)
+                           for first in ("decode", "prefill")]
+            else:
+                results = [dispatch(prefill.url, "prefill-h", decode.url, "decode-h", prompt, MAX_TOKENS)]
+            for result in results:
+                assert not isinstance(result.decode, Exception), result.decode
+                assert result.decode.token_ids == want.token_ids, len(prompt)
+                assert max_logprob_diff(want, result.decode) < 1e-3
+                transfer = get_transfer(control_plane, result.transfer_id)
+                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
+                full, sliding = expected_bytes(len(prompt), whole_pages=p_tp == d_tp)
+                assert transfer.bytes_written == full + sliding, (len(prompt), transfer.bytes_written, full, sliding)
+                sliding_bytes.append(sliding)
+        # The window's bytes do not grow with the prompt: at most two blocks' worth whatever its length.
+        assert max(sliding_bytes) <= 2 * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
+    finally:
+        for server in servers:
+            server.stop()
+        control_plane.stop()
