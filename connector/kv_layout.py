@@ -34,6 +34,7 @@ class GroupSpec:
     num_blocks: int
     kind: int = engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
     sliding_window: int = 0
+    state_format: str = ""  # a state group's layout, which P and D must share
 
 
 def first_head_of(tp_rank: int, tp_size: int, total_heads: int, local_heads: int) -> int:
@@ -71,7 +72,7 @@ def build_layout(
     )
     for index, group in enumerate(groups):
         layout.groups.add(group_index=index, kind=group.kind, block_size=group.block_size, num_blocks=group.num_blocks,
-                          sliding_window=group.sliding_window)
+                          sliding_window=group.sliding_window, state_format=group.state_format)
     ranges: list[MemoryRange] = []
     device = 0
     for layer in sorted(layers, key=lambda layer: layer.layer_index):
@@ -80,7 +81,15 @@ def build_layout(
             layout.memory_kind = engine_pb2.MEMORY_KIND_VRAM
             device = tensor.device.index or 0
         group = groups[layer.group_index]
-        for plane in describe_layer(backend, tuple(tensor.shape), tuple(tensor.stride()), tensor.data_ptr(), tensor.element_size(),
+        if group.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE:
+            # vLLM hands a state layer over as its raw pages ([blocks, 1, 1, state bytes], int8), the state at each page's start.
+            if tensor.element_size() != 1 or tensor.dim() != 4 or tuple(tensor.shape[1:3]) != (1, 1):
+                raise ValueError(f"kvpush: state layer {layer.name} is {tuple(tensor.shape)} {tensor.dtype}; expected vLLM's raw pages "
+                                 "[blocks, 1, 1, state bytes] of int8")
+            layout.regions.add(layer_name=layer.name, layer_index=layer.layer_index, group_index=layer.group_index,
+                               plane=engine_pb2.KV_PLANE_STATE, base_address=tensor.data_ptr(), block_stride_bytes=tensor.stride(0),
+                               state_bytes=tensor.shape[3], device_id=device)
+        for plane in () if group.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE else describe_layer(backend, tuple(tensor.shape), tuple(tensor.stride()), tensor.data_ptr(), tensor.element_size(),
                                     num_blocks=group.num_blocks, block_size=group.block_size,
                                     num_local_heads=num_local_heads, head_size=head_size, layer_index=layer.layer_index,
                                     latent=group.kind == engine_pb2.KV_CACHE_GROUP_KIND_MLA):

@@ -310,6 +310,8 @@ class PrefillScheduler(_Scheduler):
         super().__init__(config, vllm_config, kv_cache_config)
         self._tracks: dict[str, PrefillTrack] = {}
         self._keys: dict[tuple[str, int], str] = {}
+        # State-space (Mamba) layers: prefill legs compute all but the prompt's last token.
+        self._has_state = any(type(g.kv_cache_spec).__name__ == "MambaSpec" for g in (kv_cache_config.kv_cache_groups if kv_cache_config else ()))
         self._new_sources: list[SourceReady] = []
         self._cancels: list[tuple[str, int]] = []
 
@@ -331,6 +333,13 @@ class PrefillScheduler(_Scheduler):
         if why:
             logger.error("kvpush: request %s: %s; serving it without a KV transfer", request.request_id, why)
             return
+        if self._has_state and request.num_prompt_tokens > 1 and request.prompt_token_ids is not None:
+            # D computes the prompt's last token from the state after the others, and a state cannot be stepped back a
+            # token: P stops one short, so its state is the one D needs (as upstream's NIXL connectors do).
+            del request.prompt_token_ids[-1:]
+            del request._all_token_ids[-1:]
+            request.num_prompt_tokens -= 1
+            request.max_tokens = 1
         self._tracks[request.request_id] = PrefillTrack(params, request)
         self._keys[params.key] = request.request_id
 

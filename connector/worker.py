@@ -46,7 +46,7 @@ AUTO_PROGRESS_THREAD_MS = {"prefill": 100, "decode": 5}
 AUTO_WAITING_POLL_MS = 5  # waiting_poll_ms "auto" for a KV cache in host memory
 # The KV cache specs kvpush moves (vLLM's class names; MLAAttentionSpec subclasses FullAttentionSpec, so by exact name).
 GROUP_KINDS = {"FullAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION, "MLAAttentionSpec": engine_pb2.KV_CACHE_GROUP_KIND_MLA,
-               "SlidingWindowSpec": engine_pb2.KV_CACHE_GROUP_KIND_SLIDING_WINDOW}
+               "SlidingWindowSpec": engine_pb2.KV_CACHE_GROUP_KIND_SLIDING_WINDOW, "MambaSpec": engine_pb2.KV_CACHE_GROUP_KIND_STATE}
 
 
 def incarnation_of(vllm_config: Any, engine_id: str) -> str:
@@ -65,8 +65,16 @@ def compatibility_hash(vllm_config: Any, layout: engine_pb2.KvLayout) -> str:
         str(layout.total_kv_heads),
         str(layout.num_layers),
         str(getattr(model.hf_config, "vocab_size", "")),
+        *(g.state_format for g in layout.groups if g.state_format),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
+
+
+def state_format_of(spec: Any) -> str:
+    """A Mamba group's state layout in words: its states' shapes and dtypes, and vLLM's conv-state layout (SD or DS)."""
+    names = ("conv", "ssm") if len(spec.shapes) == 2 else tuple(f"state{i}" for i in range(len(spec.shapes)))
+    states = ", ".join(f"{name} {tuple(shape)} {str(dtype).removeprefix('torch.')}" for name, shape, dtype in zip(names, spec.shapes, spec.dtypes))
+    return f"{states}, conv layout {os.environ.get('VLLM_SSM_CONV_STATE_LAYOUT', 'default')}"
 
 
 def _parallel_ranks() -> tuple[int, int, int, int]:
@@ -166,9 +174,6 @@ class KvpushWorker:
         from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
         from vllm.model_executor.models.utils import extract_layer_index
 
-        backends = {b.get_name() for b in get_current_attn_backends(self.vllm_config)}
-        if len(backends) != 1:
-            raise ValueError(f"kvpush: one attention backend expected, found {sorted(backends)}")
         layers, groups, kinds = [], [], set()
         for group_index, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
@@ -176,17 +181,28 @@ class KvpushWorker:
             if kind is None:
                 raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; kvpush moves "
                                  f"{', '.join(GROUP_KINDS)} groups")
-            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks, kind, sliding_window_of(spec)))
+            groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks, kind, sliding_window_of(spec),
+                                    state_format_of(spec) if kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE else ""))
             kinds.add(kind)
             layers += [LayerTensor(extract_layer_index(n), n, group_index, kv_caches[n]) for n in group.layer_names]
         if engine_pb2.KV_CACHE_GROUP_KIND_MLA in kinds and len(kinds) != 1:
             raise ValueError("kvpush: a model mixing MLA and other KV cache groups is not supported")
-        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        attention = [g for g, kind in zip(self.kv_cache_config.kv_cache_groups, (g.kind for g in groups))
+                     if kind != engine_pb2.KV_CACHE_GROUP_KIND_STATE]
+        if not attention:
+            raise ValueError("kvpush: a model without attention layers is not supported")
+        if len(attention) < len(groups) and self.vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("kvpush: prefix caching with state-space (Mamba) layers is not supported: start the engine with "
+                             "--no-enable-prefix-caching")
+        backends = {b.get_name() for b in get_current_attn_backends(self.vllm_config, [n for g in attention for n in g.layer_names])}
+        if len(backends) != 1:
+            raise ValueError(f"kvpush: one attention backend expected, found {sorted(backends)}")
+        spec = attention[0].kv_cache_spec
         # An MLA latent is one head, the same on every TP rank: every rank holds "head 0" of 1.
         mla = kinds == {engine_pb2.KV_CACHE_GROUP_KIND_MLA}
         total_kv_heads = 1 if mla else self.vllm_config.model_config.get_total_num_kv_heads()
-        # A pipeline stage holds some layers; num_layers is the model's, so that every stage and the decode engine agree.
-        num_layers = len(layers) if self.pp_size == 1 else self.vllm_config.model_config.get_total_num_hidden_layers()
+        # The model's layers (a pipeline stage holds some, a state-space hybrid's MLPs none), so that every stage and D agree.
+        num_layers = self.vllm_config.model_config.get_total_num_hidden_layers()
         return build_layout(backends.pop(), layers, groups, dtype=str(spec.dtype), head_size=spec.head_size,
                             total_kv_heads=total_kv_heads, num_local_heads=1 if mla else spec.num_kv_heads,
                             num_layers=num_layers, tp_rank=self.tp_rank, tp_size=self.tp_size)

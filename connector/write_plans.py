@@ -21,7 +21,7 @@ from kvpush.engine.v1 import engine_pb2
 from kvpush.layout import heads
 from kvpush.layout.geometry import dtype_bytes, planes_from_layout
 from kvpush.layout.pages import PageTable, PageWrite, page_table, page_write, pages_match
-from kvpush.layout.plan import Plan, Side, build_plan
+from kvpush.layout.plan import Plan, Side, build_plan, merge
 from kvpush.rendezvous.v1 import transfer_pb2
 
 
@@ -48,6 +48,11 @@ class LocalLayout:
     @cached_property
     def layers(self) -> frozenset[int]:
         return frozenset(r.layer_index for r in self.layout.regions)
+
+    @cached_property
+    def state_groups(self) -> frozenset[int]:
+        """The KV cache groups holding state-space layers' states."""
+        return frozenset(g.group_index for g in self.layout.groups if g.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE)
 
     @property
     def producer(self) -> int:
@@ -140,6 +145,10 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
                 continue
         parts = []
         for group, src_ids in enumerate(ready.blocks):
+            if group in local.state_groups:
+                if d_rank == local.tp_rank:  # state splits like heads, and moves only between equal TP sizes (the broker checks)
+                    parts.append(state_plan(local.layout, rank.layout, group, src_ids[0], dst_blocks[group][0], layers))
+                continue
             src = side_of(local.layout, group, src_ids, 0, layers)
             if not src.planes:
                 continue  # none of the layers asked for is in this group (a layer-progressive part)
@@ -150,6 +159,23 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
     return plans
 
 
+def state_plan(src: engine_pb2.KvLayout, dst: engine_pb2.KvLayout, group: int, src_block: int, dst_block: int,
+               layers: frozenset[int] | None) -> Plan:
+    """A state group's WRITE: each layer's state block whole, from P's block to D's."""
+    dst_regions = {r.layer_index: r for r in dst.regions if r.group_index == group and r.plane == engine_pb2.KV_PLANE_STATE}
+    src_addr, dst_addr, lengths = [], [], []
+    for region in src.regions:
+        if region.group_index != group or region.plane != engine_pb2.KV_PLANE_STATE or (layers is not None and region.layer_index not in layers):
+            continue
+        peer = dst_regions[region.layer_index]
+        if peer.state_bytes != region.state_bytes:
+            raise ValueError(f"layer {region.layer_index}'s state is {region.state_bytes} bytes here and {peer.state_bytes} at the peer")
+        src_addr.append(region.base_address + src_block * region.block_stride_bytes)
+        dst_addr.append(peer.base_address + dst_block * peer.block_stride_bytes)
+        lengths.append(region.state_bytes)
+    return merge(np.array(src_addr, dtype=np.int64), np.array(dst_addr, dtype=np.int64), np.array(lengths, dtype=np.int64))
+
+
 def notifications_expected(local: LocalLayout, d_rank: int, routes: list[heads.HeadRoute]) -> int:
     """What decode rank d_rank counts before its KV is complete: one notification per (stage, rank) writing its heads."""
     return heads.expected_notifications(d_rank, routes) * local.pp_size
@@ -158,6 +184,9 @@ def notifications_expected(local: LocalLayout, d_rank: int, routes: list[heads.H
 def _concat(plans: list[Plan]) -> Plan:
     if len(plans) == 1:
         return plans[0]
+    if not plans:
+        empty = np.zeros(0, dtype=np.int64)
+        return merge(empty, empty, empty)
     return Plan(
         np.concatenate([p.src for p in plans]),
         np.concatenate([p.dst for p in plans]),

@@ -24,6 +24,24 @@ One builder, one architecture argument (`ARCHITECTURES`):
   multiplied by sqrt(hidden): norm weights are stored as zeros and the
   embedding std is divided by sqrt(hidden) so that every family starts its
   residual stream at the same scale.
+- `nemotron_h`: a 3-layer NemotronH-style hybrid (`NemotronHForCausalLM`,
+  model_type `nemotron_h`, `hybrid_override_pattern` "M*-", hidden 256): layer
+  0 a Mamba2 mixer (8 SSM heads of 32, 2 groups, state size 64, conv kernel
+  4, so heads and groups split over TP 2), layer 1 attention without RoPE (4
+  query heads and 2 KV heads of size 64), layer 2 a relu2 MLP with no cache.
+  vLLM makes two KV cache groups over one block pool and one buffer: a full
+  attention one (block size 128, a key and a value plane for layer 1) and a
+  Mamba one holding one block per request: layer 0's state after the
+  request's last computed token, a conv state of the last 3 inputs (conv_dim
+  512) and an SSM state (8, 32, 64), both float32, 71,680 bytes (half of it
+  on each TP 2 rank) padded to the attention page. The state cannot be
+  rolled back a token, so a P/D transfer must carry the state after the
+  tokens D does not compute itself. Run it with prefix caching off: on
+  vLLM-CPU prefix caching turns on Mamba "align" mode, whose Mamba2 mixer
+  fails on prompts longer than one 128-token chunk. Weights use the released
+  checkpoints' names (`backbone.`, `A_log`, ...); the per-head constants are
+  drawn too: A = -exp(A_log) in [-16, -1], the dt bias is softplus^-1 of a
+  log-uniform dt in [0.001, 0.1] and D is in [0.5, 1.5].
 
 All share a byte-level BPE tokenizer trained on a built-in corpus. Every
 tensor is drawn from its own `torch.Generator`, seeded from `(architecture,
@@ -44,6 +62,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -123,9 +142,38 @@ GEMMA3_CONFIG: dict = {
     "use_bidirectional_attention": False,
 }
 
+NEMOTRON_H_CONFIG: dict = {
+    # NemotronH names its norm epsilon `layer_norm_epsilon` and its attention has no RoPE.
+    **{key: value for key, value in _COMMON_CONFIG.items() if key not in ("hidden_act", "rms_norm_eps", "rope_parameters")},
+    "architectures": ["NemotronHForCausalLM"],
+    "model_type": "nemotron_h",
+    "hybrid_override_pattern": "M*-",  # Mamba2, attention, MLP
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "layer_norm_epsilon": 1e-6,
+    "mlp_hidden_act": "relu2",
+    "mlp_bias": False,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 32,  # intermediate 8 * 32 = 256 = hidden * expand
+    "expand": 1,
+    "n_groups": 2,
+    "ssm_state_size": 64,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "mamba_hidden_act": "silu",
+    "use_conv_bias": True,
+    "use_bias": False,
+    "mamba_ssm_cache_dtype": "float32",
+    "residual_in_fp32": False,
+    "sliding_window": None,
+    "num_logits_to_keep": 1,
+}
+
 # Standard deviation of each weight kind (an architecture may override some); norms are its unit scale.
 INIT_STD: dict[str, float] = {
     "embed_tokens": 1.0,
+    "embeddings": 1.0,
     "q_proj": 0.5,
     "k_proj": 0.5,
     "v_proj": 0.5,
@@ -136,6 +184,24 @@ INIT_STD: dict[str, float] = {
     "up_proj": 0.5,
     "down_proj": 0.5,
     "lm_head": 0.5,
+    "in_proj": 0.5,
+    "conv1d": 0.5,
+    "out_proj": 0.5,
+}
+EMBEDDING_KINDS = ("embed_tokens", "embeddings")  # their std is not divided by sqrt(fan_in)
+
+
+# NemotronH's per-head SSM constants and conv bias (name suffix -> values from a U(0, 1) draw `u`), in HF's init ranges.
+def _nemotron_h_dt_bias(u):
+    dt = (math.log(1e-3) + u * (math.log(0.1) - math.log(1e-3))).exp()  # log-uniform in [0.001, 0.1]
+    return dt + (-(-dt).expm1()).log()  # softplus^-1(dt)
+
+
+NEMOTRON_H_VECTOR_INIT: dict[str, Callable] = {
+    ".A_log": lambda u: (1.0 + 15.0 * u).log(),  # A = -exp(A_log) in [-16, -1]
+    ".dt_bias": _nemotron_h_dt_bias,
+    ".D": lambda u: 0.5 + u,
+    ".conv1d.bias": lambda u: 0.2 * u - 0.1,
 }
 
 
@@ -198,12 +264,52 @@ def _gemma3_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _nemotron_h_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    # The released checkpoints' names (`backbone.`, `embeddings`, `A_log`); vLLM maps them to its own.
+    h, v, hd = config["hidden_size"], config["vocab_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
+    heads, inner = config["mamba_num_heads"], config["mamba_num_heads"] * config["mamba_head_dim"]
+    conv_dim = inner + 2 * config["n_groups"] * config["ssm_state_size"]
+    shapes: dict[str, tuple[int, ...]] = {"backbone.embeddings.weight": (v, h), "backbone.norm_f.weight": (h,),
+                                          "lm_head.weight": (v, h)}
+    for i, kind in enumerate(config["hybrid_override_pattern"]):
+        p = f"backbone.layers.{i}."
+        shapes[p + "norm.weight"] = (h,)
+        p += "mixer."
+        if kind == "M":
+            shapes.update({
+                p + "in_proj.weight": (inner + conv_dim + heads, h),  # gate z, x B C, dt
+                p + "conv1d.weight": (conv_dim, 1, config["conv_kernel"]),
+                p + "conv1d.bias": (conv_dim,),
+                p + "A_log": (heads,),
+                p + "D": (heads,),
+                p + "dt_bias": (heads,),
+                p + "norm.weight": (inner,),
+                p + "out_proj.weight": (h, inner),
+            })
+        elif kind == "*":
+            shapes.update({
+                p + "q_proj.weight": (q, h),
+                p + "k_proj.weight": (kv, h),
+                p + "v_proj.weight": (kv, h),
+                p + "o_proj.weight": (h, q),
+            })
+        elif kind == "-":
+            shapes.update({p + "up_proj.weight": (config["intermediate_size"], h),
+                           p + "down_proj.weight": (h, config["intermediate_size"])})
+        else:
+            raise ValueError(f"unsupported NemotronH layer kind {kind!r}")
+    return shapes
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One tiny model family: its config.json base and its parameters' names and shapes (HF naming).
 
     `unit_norm` is the stored norm weight that scales by 1 (Gemma's norms
-    multiply by `1 + weight`); `init_std` overrides `INIT_STD` per weight kind.
+    multiply by `1 + weight`); `init_std` overrides `INIT_STD` per weight kind;
+    `vector_init` maps a name suffix to the values of a parameter that is
+    not a matrix (e.g. an SSM's per-head constants) from a U(0, 1) draw.
     """
 
     name: str
@@ -211,6 +317,7 @@ class Architecture:
     weight_shapes: Callable[[dict], dict[str, tuple[int, ...]]]
     unit_norm: float = 1.0
     init_std: dict[str, float] = field(default_factory=dict)
+    vector_init: dict[str, Callable] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -224,6 +331,10 @@ ARCHITECTURES = {
     # Gemma multiplies the embeddings by sqrt(hidden_size) = 16.
     "gemma3": Architecture("gemma3", GEMMA3_CONFIG, _gemma3_shapes, unit_norm=0.0,
                            init_std={"embed_tokens": INIT_STD["embed_tokens"] / GEMMA3_CONFIG["hidden_size"] ** 0.5}),
+    # No q/k norm: smaller q and k keep the attention soft; the depthwise conv (fan-in 4) gets weights of std 0.5.
+    "nemotron_h": Architecture("nemotron_h", NEMOTRON_H_CONFIG, _nemotron_h_shapes,
+                               init_std={"q_proj": 0.15, "k_proj": 0.15, "conv1d": 1 / 16},
+                               vector_init=NEMOTRON_H_VECTOR_INIT),
 }
 DEFAULT_ARCHITECTURE = "qwen3"
 
@@ -364,9 +475,11 @@ def make_weights(config: dict, seed: int) -> dict:
     """Draws every tensor from a generator seeded by `(architecture, seed, name)`.
 
     Linear weights are normal with the `INIT_STD` of their kind (or the
-    architecture's override) divided by sqrt(fan_in) (embeddings are not
-    divided); norms hold the architecture's unit scale (ones; zeros for
-    Gemma's `1 + weight` norms).
+    architecture's override) times 16 (sqrt of the hidden size) over
+    sqrt(fan_in) (embeddings are not divided); norms hold the
+    architecture's unit scale (ones; zeros for Gemma's `1 + weight` norms);
+    the architecture's `vector_init` parameters are a function of a uniform
+    draw.
     """
     import torch
 
@@ -374,14 +487,18 @@ def make_weights(config: dict, seed: int) -> dict:
     label = arch.name
     tensors = {}
     for name, shape in sorted(weight_shapes(config).items()):
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "norm_f.weight")):
             tensors[name] = torch.full(shape, arch.unit_norm, dtype=torch.float32)
+            continue
+        digest = hashlib.sha256(f"kvpush-tiny-{label}:{seed}:{name}".encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
+        vector_init = next((f for suffix, f in arch.vector_init.items() if name.endswith(suffix)), None)
+        if vector_init is not None:
+            tensors[name] = vector_init(torch.rand(shape, generator=gen, dtype=torch.float32)).to(torch.float32)
             continue
         kind = name.split(".")[-2]
         base = arch.init_std.get(kind, INIT_STD[kind])
-        std = base if kind == "embed_tokens" else base * 16.0 / shape[1] ** 0.5
-        digest = hashlib.sha256(f"kvpush-tiny-{label}:{seed}:{name}".encode()).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2 ** 63 - 1))
+        std = base if kind in EMBEDDING_KINDS else base * 16.0 / math.prod(shape[1:]) ** 0.5
         tensors[name] = torch.randn(shape, generator=gen, dtype=torch.float32) * std
     return tensors
 
@@ -457,8 +574,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0, arch: str = DEFAULT_ARCHITECT
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     """Adds the `kvpush build-model` flags."""
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default=DEFAULT_ARCHITECTURE,
-                        help="model family: qwen3 (dense attention, the default), deepseek_v2 (MLA) "
-                             "or gemma3 (sliding-window + full attention)")
+                        help="model family: qwen3 (dense attention, the default), deepseek_v2 (MLA), "
+                             "gemma3 (sliding-window + full attention) or nemotron_h (Mamba2 + attention hybrid)")
     parser.add_argument("--out", type=Path, default=None,
                         help="model folder (default: $KVPUSH_MODEL_DIR for qwen3, else models/tiny-<arch> in the checkout)")
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")

@@ -135,7 +135,7 @@ def planes_from_layout(layout: engine_pb2.KvLayout, group: int | None = None) ->
         Plane(r.layer_index, r.plane, r.base_address, r.block_stride_bytes, r.head_stride_bytes, r.token_stride_bytes,
               r.channel_stride_bytes or element)
         for r in layout.regions
-        if group is None or r.group_index == group
+        if (group is None or r.group_index == group) and r.plane != engine_pb2.KV_PLANE_STATE
     ]
     planes.sort(key=lambda p: (p.layer_index, p.plane))
     return planes
@@ -153,7 +153,8 @@ def describe_kv(layout: engine_pb2.KvLayout) -> str:
         what = f"MLA (a latent of {layout.head_size} {dtype} elements per token"
     else:
         what = f"full attention ({layout.total_kv_heads} KV heads of {layout.head_size} {dtype} elements"
-    return f"{what}, {layout.num_layers} layers)"
+    states = [g.state_format for g in layout.groups if g.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE]
+    return f"{what}, {layout.num_layers} layers" + "".join(f"; state {f}" for f in states) + ")"
 
 
 def layout_mismatch(prefill: engine_pb2.KvLayout, decode: engine_pb2.KvLayout) -> str:
@@ -169,7 +170,8 @@ def compatibility_fields(layout: engine_pb2.KvLayout) -> tuple:
     Block size, block count and tensor-parallel split may differ; the
     per-token per-head element layout may not.
     """
-    return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers, tuple(sorted({g.kind for g in layout.groups})))
+    return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers, tuple(sorted({g.kind for g in layout.groups})),
+            tuple(sorted(g.state_format for g in layout.groups if g.state_format)))
 
 
 def window_first_token(first_token: int, end_token: int, block_size: int, sliding_window: int) -> int:

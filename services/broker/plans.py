@@ -151,6 +151,10 @@ class Planner:
         if d.pp_size != 1:
             raise FailedPrecondition(f"decode engine {d.engine_id!r} is pipeline-parallel (pp_size {d.pp_size}): kvpush writes only into "
                                      "decode engines of pp_size 1", reason=Reason.INCOMPATIBLE_LAYOUT, field=decode_field)
+        if p.tp_size != d.tp_size and p.ranks and any(g.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE for g in p.ranks[0].layout.groups):
+            raise FailedPrecondition(f"engines {p.engine_id!r} and {d.engine_id!r} hold state-space (Mamba) layers, whose states move only "
+                                     f"between equal TP sizes (prefill TP {p.tp_size}, decode TP {d.tp_size})",
+                                     reason=Reason.INCOMPATIBLE_LAYOUT, field=field)
         try:
             routes = heads.routes(p_info.rank_heads, d_info.rank_heads)
         except ValueError as exc:

@@ -174,6 +174,10 @@ def _check_layout(layout: engine_pb2.KvLayout, cfg: RegistrarConfig) -> None:
             raise required(f"{where}.base_address is required", f"{where}.base_address")
         if region.block_stride_bytes == 0:
             raise required(f"{where}.block_stride_bytes must be positive", f"{where}.block_stride_bytes")
+        if region.plane == engine_pb2.KV_PLANE_STATE:
+            if region.state_bytes == 0 or region.state_bytes > region.block_stride_bytes:
+                raise out_of_range(f"{where}.state_bytes must be positive and at most block_stride_bytes", f"{where}.state_bytes")
+            continue
         if region.token_stride_bytes == 0:
             raise required(f"{where}.token_stride_bytes must be positive", f"{where}.token_stride_bytes")
         if region.head_stride_bytes == 0 and layout.num_local_heads > 1:

@@ -87,3 +87,52 @@ def test_the_full_group_moves_whole_and_the_sliding_group_its_window(tmp_path, h
         for server in servers:
             server.stop()
         control_plane.stop()
+
+
+# ---- a state-space hybrid: a Mamba2 layer beside an attention layer -----------------------------------------
+
+STATE_PROMPTS = (9, 300, 1000)
+STATE_BYTES = (3 * 512 + 8 * 32 * 64) * 4  # conv (kernel - 1, conv dim) and SSM (heads, head dim, state) float32, over all TP ranks
+
+
+@pytest.fixture(scope="module")
+def mamba_model():
+    return build_tiny_model(default_model_dir("nemotron_h"), arch="nemotron_h")
+
+
+@pytest.fixture(scope="module")
+def mamba_reference(tmp_path_factory, mamba_model):
+    prompts = [prompt_token_ids(n, seed=n) for n in STATE_PROMPTS]
+    return prompts, reference_run(mamba_model, prompts, MAX_TOKENS, log_path=tmp_path_factory.mktemp("ref") / "reference.log")
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["P-tp1_to_D-tp1", "P-tp2_to_D-tp2"])
+def test_the_mamba_state_after_all_but_the_last_token_moves_whole_with_the_attention_blocks(tmp_path, mamba_model, mamba_reference, tp):
+    """P stops one token short (a state cannot be stepped back), and writes its state block and the attention KV; D computes the last token."""
+    prompts, expected = mamba_reference
+    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-m", "decode-m"))
+    servers = []
+    try:
+        servers = start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, f"{role}-m", control_plane),
+                                           extra_args=["--tensor-parallel-size", str(tp)], cpu_list=cpu, log_path=tmp_path / f"{role}.log")
+                                      for role, cpu in (("prefill", "0"), ("decode", "1"))], mamba_model)
+        prefill, decode = servers
+        for i, (prompt, want) in enumerate(zip(prompts, expected)):
+            if i == 1:  # both arrival orders, forced
+                results = [dispatch_in_order(control_plane, prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS, first)
+                           for first in ("decode", "prefill")]
+            else:
+                results = [dispatch(prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS)]
+            for result in results:
+                assert not isinstance(result.decode, Exception), result.decode
+                assert result.decode.token_ids == want.token_ids, len(prompt)
+                assert max_logprob_diff(want, result.decode) < 1e-3
+                transfer = get_transfer(control_plane, result.transfer_id)
+                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
+                # The attention layer's whole blocks of the first N - 1 tokens (split over D's ranks), and each rank's state share.
+                attention = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
+                assert transfer.bytes_written == attention + STATE_BYTES, (len(prompt), transfer.bytes_written)
+    finally:
+        for server in servers:
+            server.stop()
+        control_plane.stop()

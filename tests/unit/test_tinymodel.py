@@ -117,6 +117,6 @@ def test_an_existing_folder_of_the_other_architecture_is_rebuilt(tmp_path):
 
 
 def test_an_unknown_architecture_is_refused_naming_the_known_ones(tmp_path):
-    with pytest.raises(ValueError, match="deepseek_v2, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_v2, gemma3, nemotron_h, qwen3"):
         tinymodel.build_tiny_model(tmp_path / "m", arch="llama")
     assert not (tmp_path / "m").exists()

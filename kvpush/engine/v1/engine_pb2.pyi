@@ -34,6 +34,7 @@ class KvPlane(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_PLANE_KEY: _ClassVar[KvPlane]
     KV_PLANE_VALUE: _ClassVar[KvPlane]
     KV_PLANE_LATENT: _ClassVar[KvPlane]
+    KV_PLANE_STATE: _ClassVar[KvPlane]
 
 class KvCacheGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ class KvCacheGroupKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_CACHE_GROUP_KIND_FULL_ATTENTION: _ClassVar[KvCacheGroupKind]
     KV_CACHE_GROUP_KIND_MLA: _ClassVar[KvCacheGroupKind]
     KV_CACHE_GROUP_KIND_SLIDING_WINDOW: _ClassVar[KvCacheGroupKind]
+    KV_CACHE_GROUP_KIND_STATE: _ClassVar[KvCacheGroupKind]
 ENGINE_ROLE_UNSPECIFIED: EngineRole
 ENGINE_ROLE_PREFILL: EngineRole
 ENGINE_ROLE_DECODE: EngineRole
@@ -57,10 +59,12 @@ KV_PLANE_UNSPECIFIED: KvPlane
 KV_PLANE_KEY: KvPlane
 KV_PLANE_VALUE: KvPlane
 KV_PLANE_LATENT: KvPlane
+KV_PLANE_STATE: KvPlane
 KV_CACHE_GROUP_KIND_UNSPECIFIED: KvCacheGroupKind
 KV_CACHE_GROUP_KIND_FULL_ATTENTION: KvCacheGroupKind
 KV_CACHE_GROUP_KIND_MLA: KvCacheGroupKind
 KV_CACHE_GROUP_KIND_SLIDING_WINDOW: KvCacheGroupKind
+KV_CACHE_GROUP_KIND_STATE: KvCacheGroupKind
 
 class EngineRank(_message.Message):
     __slots__ = ("engine_id", "incarnation", "role", "tp_rank", "tp_size", "pp_rank", "pp_size")
@@ -91,7 +95,7 @@ class NixlAgent(_message.Message):
     def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ..., backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class KvRegion(_message.Message):
-    __slots__ = ("layer_name", "layer_index", "group_index", "plane", "base_address", "block_stride_bytes", "head_stride_bytes", "token_stride_bytes", "device_id", "channel_stride_bytes")
+    __slots__ = ("layer_name", "layer_index", "group_index", "plane", "base_address", "block_stride_bytes", "head_stride_bytes", "token_stride_bytes", "device_id", "channel_stride_bytes", "state_bytes")
     LAYER_NAME_FIELD_NUMBER: _ClassVar[int]
     LAYER_INDEX_FIELD_NUMBER: _ClassVar[int]
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +106,7 @@ class KvRegion(_message.Message):
     TOKEN_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_STRIDE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     layer_name: str
     layer_index: int
     group_index: int
@@ -112,21 +117,24 @@ class KvRegion(_message.Message):
     token_stride_bytes: int
     device_id: int
     channel_stride_bytes: int
-    def __init__(self, layer_name: _Optional[str] = ..., layer_index: _Optional[int] = ..., group_index: _Optional[int] = ..., plane: _Optional[_Union[KvPlane, str]] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., channel_stride_bytes: _Optional[int] = ...) -> None: ...
+    state_bytes: int
+    def __init__(self, layer_name: _Optional[str] = ..., layer_index: _Optional[int] = ..., group_index: _Optional[int] = ..., plane: _Optional[_Union[KvPlane, str]] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., channel_stride_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("group_index", "kind", "block_size", "num_blocks", "sliding_window")
+    __slots__ = ("group_index", "kind", "block_size", "num_blocks", "sliding_window", "state_format")
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     group_index: int
     kind: KvCacheGroupKind
     block_size: int
     num_blocks: int
     sliding_window: int
-    def __init__(self, group_index: _Optional[int] = ..., kind: _Optional[_Union[KvCacheGroupKind, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...
+    state_format: str
+    def __init__(self, group_index: _Optional[int] = ..., kind: _Optional[_Union[KvCacheGroupKind, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., state_format: _Optional[str] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("dtype", "head_size", "total_kv_heads", "first_head", "num_local_heads", "num_layers", "memory_kind", "groups", "regions")
