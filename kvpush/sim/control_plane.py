@@ -17,13 +17,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvpush.connector.report_routing import RETRY_FIRST_S, RETRY_MAX_S
+from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import KvpushError, Reason, Unavailable
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RegistrarCore
-from kvpush.sim.deployment import BLOCK_SIZE, LAYERS
+from kvpush.sim.deployment import BLOCK_SIZE, LAYERS, SLIDING_LAYERS, WINDOW
 from kvpush.sim.world import Process, Stream
 
 if TYPE_CHECKING:
@@ -285,9 +286,15 @@ class EngineLink:
 
 
 def rank_request(engine_id: str, role: int, incarnation: str, tp_rank: int, tp_size: int, ttl: float, pp_rank: int = 0,
-                 pp_size: int = 1) -> reg_pb.RegisterEngineRankRequest:
+                 pp_size: int = 1, hybrid: bool = False) -> reg_pb.RegisterEngineRankRequest:
     request = sample.rank_request(engine_id, role, incarnation=incarnation, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                                   num_layers=len(LAYERS), lease_ttl_s=ttl, block_size=BLOCK_SIZE)
+    if hybrid:  # the sliding-window layers move to a group of their own
+        layout = request.layout
+        layout.groups.add(group_index=1, kind=engine_pb2.KV_CACHE_GROUP_KIND_SLIDING_WINDOW, block_size=BLOCK_SIZE,
+                          num_blocks=layout.groups[0].num_blocks, sliding_window=WINDOW)
+        for region in layout.regions:
+            region.group_index = 1 if region.layer_index in SLIDING_LAYERS else 0
     request.nixl.agent_name = f"{engine_id}.{incarnation}.tp{tp_rank}" + (f".pp{pp_rank}" if pp_size > 1 else "")
     request.nixl.agent_metadata = request.nixl.agent_name.encode()
     return request

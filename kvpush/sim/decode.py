@@ -11,13 +11,14 @@ from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, prompt_digest
 from kvpush.connector.params import TransferParams
 from kvpush.errors import Unavailable
+from kvpush.layout import geometry
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.clock import timestamp
 from kvpush.services.common.validation import duration
 from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
-from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, NoSpans, prompt_of
+from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, NoSpans, groups_of, prompt_of
 from kvpush.sim.nixl import DecodeAgent, DecodeMemory
 from kvpush.sim.world import Process
 
@@ -31,7 +32,7 @@ class DecodeRequest:
     key: tuple[str, int] | None
     router_leg: object
     deadline_bound: float  # true time by which its blocks must be released
-    blocks: list[int]
+    blocks: list[list[int]]  # per KV cache group, in groups_of order: the group's blocks, from its first token
     first_token: int = 0
     num_tokens: int = 0
     prompt_id: int = 0
@@ -60,7 +61,7 @@ class DecodeEngine:
         self.requests: dict[str, DecodeRequest] = {}
         self.ready = False
         self._stepping = False
-        request = rank_request(D_ENGINE, sample.DECODE, self.incarnation, 0, 1, sim.timing.registrar.default_lease_ttl_s)
+        request = rank_request(D_ENGINE, sample.DECODE, self.incarnation, 0, 1, sim.timing.registrar.default_lease_ttl_s, hybrid=sim.hybrid)
         self.link = EngineLink(sim, self.proc, self.rpc, request, self._linked)
 
     def _linked(self) -> None:
@@ -78,10 +79,14 @@ class DecodeEngine:
             self._answer(router_leg, False, "decode engine not ready")
             return
         key = params.key if params is not None else None
-        blocks = self.memory.allocate(req_id, key, -(-num_tokens // BLOCK_SIZE))
-        if blocks is None:
+        # A sliding-window group gets blocks for the window its first decode step reads (vLLM's null block stands before it).
+        starts = [geometry.window_first_token(0, num_tokens, BLOCK_SIZE, window) for _, _, window in groups_of(self.sim.hybrid)]
+        counts = [-(-num_tokens // BLOCK_SIZE) - start // BLOCK_SIZE for start in starts]
+        allocated = self.memory.allocate(req_id, key, sum(counts))
+        if allocated is None:
             self._answer(router_leg, False, "no free KV blocks")
             return
+        blocks = [allocated[sum(counts[:g]):sum(counts[:g + 1])] for g in range(len(counts))]
         bound = self.sim.world.time + timeout_s + self.sim.timing.hold_margin_s + 1.0
         request = self.requests[req_id] = DecodeRequest(req_id, key, router_leg, bound, blocks, 0, num_tokens, prompt_id)
         wait = self.waits.admit(req_id, params, "" if params is not None else "bad request: unreadable kv_transfer_params", timeout_s, 0)
@@ -92,7 +97,10 @@ class DecodeEngine:
     def _register(self, request: DecodeRequest, params: TransferParams, timeout_s: float) -> None:
         registration = sample.destination_request(params.transfer_id, params.attempt, incarnation=self.incarnation, num_tokens=request.num_tokens,
                                                   block_size=BLOCK_SIZE, timeout_s=timeout_s, client_request_id=request.req_id)
-        registration.destination.blocks[0].block_ids[:] = request.blocks
+        registration.destination.blocks[0].block_ids[:] = request.blocks[0]
+        for (group, _, window), blocks in list(zip(groups_of(self.sim.hybrid), request.blocks))[1:]:
+            first = geometry.window_first_token(0, request.num_tokens, BLOCK_SIZE, window)
+            registration.destination.blocks.add(group_index=group, block_ids=blocks, first_token=first)
         registration.destination.prompt_digest = prompt_digest(prompt_of(request.prompt_id, request.num_tokens), request.num_tokens)
         registration.deadline.CopyFrom(timestamp(self.proc.wall() + timeout_s))
         registration.hold_margin.CopyFrom(duration(self.sim.timing.hold_margin_s))
@@ -147,19 +155,40 @@ class DecodeEngine:
         request = self.requests.get(req_id)
         if wait is None or request is None:
             return
-        needed = (request.first_token, request.num_tokens, request.prompt_id)
-        landed = self.memory.landed.get(req_id, {})
-        prefill = self.sim.prefill
-        producers = len(prefill.ranks) if prefill.ranks else 1
-        # Every producer rank wrote the registered tokens of this prompt, each its stage's layers, and the stages cover the model.
-        if (len(landed) < producers or any(tokens != (*needed, prefill.layers_of(p)) for p, tokens in landed.items())
-                or frozenset().union(*(tokens[3] for tokens in landed.values())) != LAYERS):
-            self.sim.violations.add("short-receive", f"{req_id} {request.key} reported received with WRITEs {landed} for tokens {needed}")
+        if not self._complete(request):
+            landed = self.memory.landed.get(req_id, {})
+            self.sim.violations.add("short-receive", f"{req_id} {request.key} reported received with WRITEs {landed} for tokens "
+                                    f"[{request.first_token}, {request.first_token + request.num_tokens}) of prompt {request.prompt_id}")
         if request.aborted:
             self._release(req_id, False, "aborted")
         else:
             request.decoding = True
             self.proc.later(self.sim.world.rng.uniform(*self.sim.timing.decode_time), self._decoded, request)
+
+    def _complete(self, request: DecodeRequest) -> bool:
+        """Whether every producer rank wrote what the first decode step reads, of this prompt, each its stage's layers of each group.
+
+        A full group needs exactly the registered tokens; a sliding-window
+        group at least the window of the token after them (a query's own
+        included), whatever the registration asked for.
+        """
+        landed = self.memory.landed.get(request.req_id, {})
+        prefill = self.sim.prefill
+        end = request.first_token + request.num_tokens
+        covered: set[int] = set()
+        for producer in range(prefill.tp_size * prefill.pp_size):  # its ranks, also while it is down
+            for group, group_layers, window in groups_of(self.sim.hybrid):
+                layers = prefill.layers_of(producer) & group_layers
+                if not layers:
+                    continue
+                tokens = landed.get((producer, group))
+                if tokens is None or tokens[2:] != (request.prompt_id, layers) or tokens[0] + tokens[1] != end:
+                    return False
+                needed_from = max(request.first_token, end + 1 - window) if window else request.first_token
+                if tokens[0] > needed_from or (not window and tokens[0] != request.first_token):
+                    return False
+                covered |= layers
+        return covered == LAYERS
 
     def _decoded(self, request: DecodeRequest) -> None:
         self._release(request.req_id, not request.aborted, "decoded")

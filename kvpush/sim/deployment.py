@@ -11,6 +11,20 @@ BLOCK_SIZE = 16
 LAYERS = frozenset(range(3))
 
 
+# A hybrid model's sliding-window group (group 1): layer 0 attends to the last WINDOW tokens, a query's own
+# included; the other layers are full attention (group 0). 26 puts a 40-token prompt's window start on a
+# block's last token, where an off-by-one in the window's start shows.
+WINDOW = 26
+SLIDING_LAYERS = frozenset({0})
+
+
+def groups_of(hybrid: bool) -> list[tuple[int, frozenset[int], int]]:
+    """(group index, its layers, its sliding window or 0) of the simulated model."""
+    if not hybrid:
+        return [(0, LAYERS, 0)]
+    return [(0, LAYERS - SLIDING_LAYERS, 0), (1, SLIDING_LAYERS, WINDOW)]
+
+
 def stage_layers(pp_rank: int, pp_size: int) -> frozenset[int]:
     """The layers a pipeline stage of the prefill engine holds: a contiguous share, as vLLM splits them."""
     n = len(LAYERS)

@@ -35,8 +35,8 @@ class DecodeMemory:
     num_blocks: int
     violations: Violations
     owners: dict[int, BlockOwner] = field(default_factory=dict)
-    # req_id -> producer rank -> (first_token, num_tokens, prompt id, layers): what its WRITEs (all parts) landed
-    landed: dict[str, dict[int, tuple[int, int, int, frozenset[int]]]] = field(default_factory=dict)
+    # req_id -> (producer rank, KV cache group) -> (first_token, num_tokens, prompt id, layers): what its WRITEs (all parts) landed
+    landed: dict[str, dict[tuple[int, int], tuple[int, int, int, frozenset[int]]]] = field(default_factory=dict)
     alive: bool = True
 
     def allocate(self, req_id: str, key: tuple[str, int], count: int) -> list[int] | None:
@@ -54,8 +54,8 @@ class DecodeMemory:
             del self.owners[b]
         self.landed.pop(req_id, None)
 
-    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: int, tokens: tuple[int, int, int], what: str) -> str | None:
-        """Bytes of a WRITE for key land in blocks; returns the owning request, or records a violation."""
+    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: tuple[int, int], tokens: tuple[int, int, int], what: str) -> str | None:
+        """Bytes of a WRITE for key land in blocks (one group's, from producer (rank, group)); returns the owning request, or records a violation."""
         if not self.alive:
             return None  # the process died: its memory is gone
         owners = {self.owners.get(b) and self.owners[b].req_id for b in blocks}
@@ -73,22 +73,23 @@ class DecodeMemory:
 
 
 class SimWrite:
-    __slots__ = ("key", "dest", "blocks", "producer", "tokens", "notif", "land_at", "state", "sender")
+    __slots__ = ("key", "dest", "blocks", "producer", "notif", "land_at", "state", "sender")
 
-    def __init__(self, key, dest, blocks, producer, tokens, notif, sender):
-        self.key, self.dest, self.blocks, self.producer, self.tokens, self.notif, self.sender = key, dest, blocks, producer, tokens, notif, sender
+    def __init__(self, key, dest, segments, producer, notif, sender):
+        # blocks: per KV cache group, (group, its destination blocks, what lands there)
+        self.key, self.dest, self.blocks, self.producer, self.notif, self.sender = key, dest, segments, producer, notif, sender
         self.land_at = 0.0
         self.state = "PROC"
 
 
 class SimPlan:
-    """A WritePlan's plan as the simulated transport takes it: the destination blocks instead of byte segments."""
+    """A WritePlan's plan as the simulated transport takes it: per KV cache group, its destination blocks and what lands there."""
 
-    def __init__(self, blocks: tuple[int, ...], tokens: tuple[int, int, int]):
+    def __init__(self, segments: tuple[tuple[int, tuple[int, ...], tuple], ...]):
         self.src = None
-        self.dst = blocks
-        self.lengths = tokens
-        self.total_bytes = len(blocks)
+        self.dst = segments  # (group, blocks, (first_token, num_tokens, prompt id, layers))
+        self.lengths = None
+        self.total_bytes = sum(len(blocks) for _, blocks, _ in segments)
 
     def __len__(self) -> int:
         return len(self.dst)
@@ -163,10 +164,10 @@ class ProducerTransport:
 
     def make_write(self, peer: str, src, dst, lengths, src_device: int, dst_device: int, notif: bytes) -> NixlWrite:
         parts = notif.decode().split("|")
-        write = SimWrite((parts[1], int(parts[2])), peer, tuple(dst), int(parts[3]), tuple(lengths), notif, self.name)
+        write = SimWrite((parts[1], int(parts[2])), peer, tuple(dst), int(parts[3]), notif, self.name)
         self._next += 1
         self.made[self._next] = write
-        return NixlWrite(self._next, peer, len(write.blocks), 1)
+        return NixlWrite(self._next, peer, sum(len(blocks) for _, blocks, _ in write.blocks), 1)
 
     def start(self, write: NixlWrite) -> None:
         sim = self.made.pop(write.handle)
@@ -187,7 +188,7 @@ class ProducerTransport:
             # Released in flight: the bytes already sent land all the same, with no notification.
             agent = self.fabric.agents.get(write.dest)
             if agent is not None:
-                agent.memory.land(write.key, write.blocks, write.producer, write.tokens, f"{self.name}'s released WRITE")
+                self._land_segments(agent, write, "released WRITE")
             return
         if write.state != "PROC":
             return
@@ -196,9 +197,14 @@ class ProducerTransport:
         if agent is None:
             write.state = "ERR"
             return
-        if agent.memory.land(write.key, write.blocks, write.producer, write.tokens, f"{self.name}'s WRITE") is not None:
+        if self._land_segments(agent, write, "WRITE"):
             world = self.process.world
             world.at(world.time + world.rng.uniform(0.0001, 0.002), self._notify, agent, write)
+
+    def _land_segments(self, agent: DecodeAgent, write: SimWrite, what: str) -> bool:
+        """Lands each group's segment; whether every one reached its owner."""
+        owners = [agent.memory.land(write.key, blocks, (write.producer, group), tokens, f"{self.name}'s {what}") for group, blocks, tokens in write.blocks]
+        return all(owner is not None for owner in owners)
 
     def _notify(self, agent: DecodeAgent, write: SimWrite) -> None:
         self._deliver(agent, write.dest, write.notif)

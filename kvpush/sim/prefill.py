@@ -22,7 +22,7 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
-from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, prompt_id_of, prompt_of, stage_layers
+from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, groups_of, prompt_id_of, prompt_of, stage_layers
 from kvpush.sim.nixl import ProducerTransport, SimPlan
 from kvpush.sim.world import Process
 
@@ -44,7 +44,7 @@ class PrefillRank:
         self._stream = 0
         self._next_step = float("inf")
         request = rank_request(P_ENGINE, sample.PREFILL, engine.incarnation, tp_rank, engine.tp_size, sim.timing.registrar.default_lease_ttl_s,
-                               pp_rank, engine.pp_size)
+                               pp_rank, engine.pp_size, sim.hybrid)
         self.link = EngineLink(sim, engine.proc, engine.rpc, request, self._linked)
 
     def _linked(self) -> None:
@@ -67,14 +67,19 @@ class PrefillRank:
 
     def _plan(self, source, order, peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
         dest = order.order.destination
-        blocks = tuple(dest.blocks[0].block_ids)
-        # The bytes a WRITE moves are what the source holds of the destination's range,
-        # which prompt's KV they are, and of which layers.
-        tokens = (dest.first_token, min(dest.num_tokens, source.ready.num_tokens - dest.first_token), prompt_id_of(source.ready.prompt),
-                  self.layers if layers is None else layers)
+        end = dest.first_token + min(dest.num_tokens, source.ready.num_tokens - dest.first_token)
+        wanted = self.layers if layers is None else layers
+        segments = []
+        # The bytes a WRITE moves, per KV cache group, are what the source holds of the group's range (a
+        # sliding-window group's starts at its window), which prompt's KV they are, and of which layers.
+        for group, group_layers, _ in groups_of(self.engine.sim.hybrid):
+            blocks = next(b for b in dest.blocks if b.group_index == group)
+            first = max(blocks.first_token, dest.first_token)
+            if wanted & group_layers:
+                segments.append((group, tuple(blocks.block_ids), (first, end - first, prompt_id_of(source.ready.prompt), wanted & group_layers)))
         local = self.core.local
         routes = heads.routes(heads.even_split(2, local.tp_size), heads.even_split(2, 1))
-        return [WritePlan(d_rank, SimPlan(blocks, tokens), write_plans.notifications_expected(local, d_rank, routes))
+        return [WritePlan(d_rank, SimPlan(tuple(segments)), write_plans.notifications_expected(local, d_rank, routes))
                 for d_rank in order.order.decode_tp_ranks]
 
     def _report(self, request) -> None:
@@ -164,7 +169,8 @@ class PrefillEngine:
 
     def _source(self, request: PrefillRequest) -> SourceReady:
         blocks = tuple(range(-(-request.num_tokens // BLOCK_SIZE)))
-        return SourceReady(request.req_id, request.key[0], request.key[1], request.req_id, request.decode_engine, (blocks,),
+        groups = groups_of(self.sim.hybrid)  # every group's blocks cover the prompt on P (vLLM's null blocks below a window are not read)
+        return SourceReady(request.req_id, request.key[0], request.key[1], request.req_id, request.decode_engine, (blocks,) * len(groups),
                            request.num_tokens, request.timeout_s, "", 0, 0, prompt_of(request.prompt_id, request.num_tokens))
 
     def _forward_starts(self, request: PrefillRequest, forward_s: float) -> None:
@@ -218,6 +224,8 @@ class PrefillEngine:
         report = sample.prefill_done_request(request.key[0], request.key[1], incarnation=self.incarnation, num_tokens=request.num_tokens,
                                              block_size=BLOCK_SIZE, timeout_s=request.timeout_s, decode_engine_id=request.decode_engine,
                                              client_request_id=request.req_id)
+        for group, _, _ in groups_of(self.sim.hybrid)[1:]:
+            report.source.blocks.add(group_index=group, block_ids=report.source.blocks[0].block_ids)
         self.rpc.call("ReportPrefillDone", report)
 
     def released(self, req_ids: set[str]) -> None:

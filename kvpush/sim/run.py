@@ -46,6 +46,7 @@ def run_schedule(seed: int) -> Outcome:
     stats["schedules with refused posts"] += faults.failed_posts > 0
     stats["schedules with clock skew"] += faults.skew_s > 0
     stats["schedules with pipeline stages"] += sim.prefill.pp_size > 1
+    stats["schedules with hybrid KV cache groups"] += sim.hybrid
     stats["schedules with layer-progressive push"] += sim.prefill.progressive
     stats["events"] += sim.world.events
     return Outcome(seed, [(v.kind, v.detail, v.time) for v in violations.items], stats)

@@ -60,6 +60,9 @@ class Simulation:
         self.faults = replace(Faults.draw(self.world.rng, self.timing.broker.max_clock_skew_s),
                               failed_posts=random.Random(f"kvpush-sim-failed-posts-{seed}").choice((0.0, 0.0, 0.1, 0.3)),
                               lease_doubts=self._doubts.choice((0, 0, 1, 2)))
+        # Half the schedules serve a hybrid model (a sliding-window group beside full attention): no draw from the
+        # world's generator, so such a schedule's events come as before, with one more group in its transfers.
+        self.hybrid = random.Random(f"kvpush-sim-hybrid-{seed}").random() < 0.5
         self.violations = Violations(clock=self.world)
         self.network = Network(self.world, self.faults)
         self.fabric = Fabric()
@@ -133,7 +136,10 @@ class Simulation:
             self.cp.doubt_lease(seconds)
 
     def _pause(self, seconds: float) -> None:
-        self.prefill.proc.paused_until = self.world.time + seconds
+        # A pause within a pause extends it: events held until its end keep their order (a stage's forward ends after the
+        # stage before it), where a shorter second pause used to let later events run before the ones held longer.
+        proc = self.prefill.proc
+        proc.paused_until = max(proc.paused_until, self.world.time + seconds)
 
     def _kill(self, which: str, downtime: float) -> None:
         {"prefill": self.prefill, "decode": self.decode, "control-plane": self.cp}[which].kill(downtime)

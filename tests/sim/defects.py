@@ -20,10 +20,10 @@ from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
 from kvpush.errors import Aborted, Reason
-from kvpush.layout import heads
+from kvpush.layout import geometry, heads
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.broker import attempts as a
-from kvpush.services.broker import checks
+from kvpush.services.broker import checks, plans
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.machine import AttemptMachine
 from kvpush.services.common.clock import timestamp
@@ -203,6 +203,17 @@ def _stages_not_counted():
     return patched((write_plans, "notifications_expected", lambda local, d_rank, routes: heads.expected_notifications(d_rank, routes)))
 
 
+def _window_one_token_short():
+    """H1. A sliding-window group's transfer started at the window of the token after the prompt's, one token short of what its first decode step reads."""
+
+    def window_first_token(first_token, end_token, block_size, sliding_window):
+        if not sliding_window:
+            return first_token
+        return max(first_token, max(end_token + 2 - sliding_window, 0) // block_size * block_size)
+
+    return patched((geometry, "window_first_token", window_first_token), (plans, "window_first_token", window_first_token))
+
+
 @dataclass(frozen=True)
 class Defect:
     number: str
@@ -245,6 +256,8 @@ SIMULATED = [
     Defect("L1", "lease doubt fenced at once", _lease_doubt_fences_at_once, "write-after-free", (3, 38, 45)),
     # Found once the simulated prefill engine could be pipeline-parallel (kvpush/sim/prefill.py).
     Defect("S1", "stages not counted", _stages_not_counted, "short-receive", (0, 1, 2)),
+    # Found once the simulated engines could serve a hybrid model (kvpush/sim/deployment.py).
+    Defect("H1", "sliding window one token short", _window_one_token_short, "short-receive", (2, 3, 4)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
 # attempt's order is still unanswered: too narrow a window for random
