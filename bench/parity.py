@@ -46,10 +46,12 @@ from kvpush.localstack.engines import StartError, reference_run
 from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.localstack.transfers import dispatch, get_transfer
+from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.tinymodel import build_tiny_model, default_model_dir
 
 MODES = ("kvpush", "upstream-push", "pull")
-FAMILIES = {"dense": "qwen3", "mla": "deepseek_v2"}
+# hybrid: a sliding-window and a full-attention group; mamba: a Mamba2 state group and a full-attention group.
+FAMILIES = {"dense": "qwen3", "mla": "deepseek_v2", "hybrid": "gemma3", "mamba": "nemotron_h"}
 MAX_TOKENS = 6
 
 
@@ -57,7 +59,7 @@ MAX_TOKENS = 6
 class Cell:
     """One configuration of the grid."""
 
-    family: str  # "dense" or "mla"
+    family: str  # a key of FAMILIES
     p_tp: int
     d_tp: int
     prefix_caching: bool
@@ -83,20 +85,24 @@ class Outcome:
 
 
 def grid() -> list[Cell]:
-    """The cells the CPU build can run: MLA with prefix caching off (vLLM-CPU turns it off), PP on P only."""
+    """The cells the CPU build can run: MLA and Mamba with prefix caching off (vLLM-CPU turns it off, or fails), PP on P only."""
     cells = []
     for family in FAMILIES:
-        for p_tp, d_tp in ((1, 1), (1, 2), (2, 1)):
-            for caching in ((False, True) if family == "dense" else (False,)):
+        # Mamba states move between equal TP sizes only: TP 2 to TP 2 as well. vLLM-CPU's Mamba2 mixer fails with prefix caching.
+        for p_tp, d_tp in ((1, 1), (1, 2), (2, 1)) + (((2, 2),) if family == "mamba" else ()):
+            for caching in ((False,) if family in ("mla", "mamba") else (False, True)):
                 cells.append(Cell(family, p_tp, d_tp, caching))
-    cells.append(Cell("dense", 1, 1, False, p_pp=2))
+    # Dense only: upstream pull, the MLA reference, gives other tokens with a pipeline-parallel P (docs/parity.md).
+    for d_tp, caching in ((1, False), (1, True), (2, False)):
+        cells.append(Cell("dense", 1, d_tp, caching, p_pp=2))
     return cells
 
 
 def prompts_for(cell: Cell) -> list[list[int]]:
     """Prompt lengths not multiples of any block size; with prefix caching a 1,000-token prefix shared by two prompts, then the first again."""
     if not cell.prefix_caching:
-        return [prompt_token_ids(n, seed=n) for n in (9, 300, 1000)]
+        # A hybrid's 191 tokens put the start of its sliding window on a block's last token (vLLM-CPU: 64-token window, 128-token blocks).
+        return [prompt_token_ids(n, seed=n) for n in ((9, 191, 300, 1000) if cell.family == "hybrid" else (9, 300, 1000))]
     prefix = prompt_token_ids(1000, seed=5)
     first, second = (prefix + prompt_token_ids(300, seed=s) for s in (11, 12))
     return [first, second, first]
@@ -107,10 +113,19 @@ def _route(stack: Stack, cell: Cell, prompt: list[int], pool: ThreadPoolExecutor
     if stack.spec.mode != "kvpush":
         return upstream.route(stack, prompt, MAX_TOKENS, pool, tp_size=cell.p_tp, pp_size=cell.p_pp).decode, ""
     result = dispatch(stack.prefill.url, "prefill-0", stack.decode.url, "decode-0", prompt, MAX_TOKENS)
+    if isinstance(result.decode, Exception):
+        # vLLM answers a request whose KV load failed with a bare 500; the broker holds the reason, if it refused the pair.
+        transfer = get_transfer(stack.control_plane, result.transfer_id)
+        if transfer.end_reason == transfer_pb2.END_REASON_REGISTRATION_REFUSED and not stack.dead_parts():
+            raise Refused(transfer.detail)
     for leg in (result.decode, result.prefill):
         if isinstance(leg, Exception):
             raise leg
     return result.decode, result.transfer_id
+
+
+class Refused(Exception):
+    """The broker refused the engines' rendezvous, with a message; both engines live on."""
 
 
 def run_mode(cell: Cell, mode: str, model_dir: Path, work: Path, prompts: list[list[int]]) -> Outcome:
@@ -133,6 +148,8 @@ def run_mode(cell: Cell, mode: str, model_dir: Path, work: Path, prompts: list[l
                 return Outcome("crash", f"{', '.join(dead)} exited")
     except StartError as exc:
         return Outcome("refused", _reason(work, str(exc)))
+    except Refused as exc:
+        return Outcome("refused", str(exc)[:300])
     except HttpError as exc:  # a refusal names its reason (4xx); a 5xx is the engine failing
         return Outcome("crash" if exc.status >= 500 else "refused", f"HTTP {exc.status}: {exc.body[:300]!r}")
     except Exception as exc:  # anything else is a crash of the mode, recorded with its cause
@@ -272,7 +289,7 @@ def write(out: Path, results: list[tuple[Cell, dict[str, Outcome]]], command: st
 
 
 def merge(files: Sequence[Path]) -> list[tuple[Cell, dict[str, Outcome]]]:
-    """The cells of several runs in grid order; a mode that ran in a later file replaces the earlier outcome."""
+    """The cells of several runs in grid order; a mode that ran in a later file replaces the earlier outcome; cells left out of the grid are dropped."""
     merged: dict[Cell, dict[str, Outcome]] = {}
     for path in files:
         for entry in json.loads(Path(path).read_text()):
@@ -281,7 +298,8 @@ def merge(files: Sequence[Path]) -> list[tuple[Cell, dict[str, Outcome]]]:
                 if outcome["verdict"] != "not run":
                     outcomes[mode] = Outcome(**outcome)
     order = {cell: i for i, cell in enumerate(grid())}
-    return [(cell, {m: outcomes.get(m, Outcome("not run")) for m in MODES}) for cell, outcomes in sorted(merged.items(), key=lambda kv: order.get(kv[0], 99))]
+    kept = sorted((kv for kv in merged.items() if kv[0] in order), key=lambda kv: order[kv[0]])
+    return [(cell, {m: outcomes.get(m, Outcome("not run")) for m in MODES}) for cell, outcomes in kept]
 
 
 if __name__ == "__main__":

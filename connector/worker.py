@@ -71,9 +71,13 @@ def compatibility_hash(vllm_config: Any, layout: engine_pb2.KvLayout) -> str:
 
 
 def state_format_of(spec: Any) -> str:
-    """A Mamba group's state layout in words: its states' shapes and dtypes, and vLLM's conv-state layout (SD or DS)."""
+    """A Mamba group's state layout in words: its states' dtypes and vLLM's conv-state layout (SD or DS).
+
+    Not their shapes: those are a TP rank's share, and engines of other TP
+    sizes must get the broker's own refusal, not a hash mismatch.
+    """
     names = ("conv", "ssm") if len(spec.shapes) == 2 else tuple(f"state{i}" for i in range(len(spec.shapes)))
-    states = ", ".join(f"{name} {tuple(shape)} {str(dtype).removeprefix('torch.')}" for name, shape, dtype in zip(names, spec.shapes, spec.dtypes))
+    states = ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for name, dtype in zip(names, spec.dtypes))
     return f"{states}, conv layout {os.environ.get('VLLM_SSM_CONV_STATE_LAYOUT', 'default')}"
 
 

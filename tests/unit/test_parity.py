@@ -54,6 +54,7 @@ def test_a_later_run_replaces_the_modes_it_ran_and_the_table_keeps_grid_order(tm
 def test_the_grid_runs_mla_only_without_prefix_caching_and_pp_on_p_only():
     cells = grid()
     assert all(not c.prefix_caching for c in cells if c.family == "mla")
-    assert {(c.p_pp, c.d_tp) for c in cells if c.p_pp > 1} == {(2, 1)}
+    # Pipeline parallelism on P only (kvpush refuses a pipeline-parallel D), into D of TP 1 and 2.
+    assert {(c.p_pp, c.d_tp) for c in cells if c.p_pp > 1} == {(2, 1), (2, 2)}
     assert "refused: kvpush: --pipeline" in render([(cells[-1], {m: Outcome("refused", "kvpush: --pipeline-parallel-size 2") for m in
                                                                   ("kvpush", "upstream-push", "pull")})], "cmd")

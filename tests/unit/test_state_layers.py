@@ -21,7 +21,7 @@ from tests.unit.broker_harness import Harness, expect
 STATE, FULL = engine_pb2.KV_CACHE_GROUP_KIND_STATE, engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
 BLOCKS, BLOCK, HEADS, HEAD_SIZE = 12, 16, 2, 8
 PAGE, STATE_BYTES = HEADS * BLOCK * 2 * HEAD_SIZE * 4, 700  # vLLM pads the state page to the attention page
-FORMAT = "conv (3, 64) float32, ssm (2, 8, 8) float32, conv layout SD"
+FORMAT = "conv float32, ssm float32, conv layout SD"
 
 
 def state_rank(fill: bool):
