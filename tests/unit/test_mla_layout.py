@@ -3,22 +3,20 @@
 
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
 import pytest
 import torch
 
 from kvpush import errors
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
-from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan, build_write_plans, page_table_of
+from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, build_write_plans, page_table_of
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout import heads
 from kvpush.layout.geometry import describe_layer, layout_mismatch
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import sample_engines as sample
 from tests.unit.broker_harness import D, Harness, P, expect
+from tests.unit.write_copies import apply
 
 MLA = engine_pb2.KV_CACHE_GROUP_KIND_MLA
 LATENT = 576  # kv_lora_rank 512 + qk_rope_head_dim 64
@@ -58,19 +56,6 @@ def test_a_latent_tensor_of_another_shape_is_refused(shape, message):
     with pytest.raises(ValueError, match=message):
         describe_layer("CPU_MLA", shape, torch.zeros(shape).stride(), 0, 4, num_blocks=BLOCKS, block_size=BLOCK, num_local_heads=1,
                        head_size=LATENT, layer_index=0, latent=True)
-
-
-def apply(plan: WritePlan, local: LocalLayout, peer_rank: PeerRank) -> int:
-    """Does what NIXL's WRITE would with these descriptors; returns the bytes moved."""
-    if plan.pages is not None:
-        src = local.pages.addresses(plan.pages.local)
-        dst = peer_rank.pages.addresses(plan.pages.remote)
-        sizes = local.pages.sizes[plan.pages.local.astype(np.int64) // local.pages.num_blocks]
-    else:
-        src, dst, sizes = plan.plan.src, plan.plan.dst, plan.plan.lengths
-    for s, d, n in zip(src, dst, sizes):
-        ctypes.memmove(int(d), int(s), int(n))
-    return int(np.sum(sizes))
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1), (2, 2)])

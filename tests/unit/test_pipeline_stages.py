@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
-
-import numpy as np
 import pytest
 import torch
 
@@ -13,11 +10,12 @@ from kvpush import errors
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.notification import notification, parse_notification
-from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan, build_write_plans, page_table_of
+from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, build_write_plans, page_table_of
 from kvpush.layout import heads
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import sample_engines as sample
 from tests.unit.broker_harness import COMPLETED, REVOKED, D, Harness, expect
+from tests.unit.write_copies import apply
 
 BLOCK, BLOCKS, HEADS, HEAD_SIZE = 16, 24, 2, 8
 LAYERS = 3
@@ -32,19 +30,6 @@ def rank_cache(layers, tp_rank: int, tp_size: int, fill: bool):
     layout, _, _ = build_layout("CPU_ATTN", described, [GroupSpec(BLOCK, BLOCKS)], dtype="torch.float32", head_size=HEAD_SIZE,
                                 total_kv_heads=HEADS, num_local_heads=local_heads, num_layers=LAYERS, tp_rank=tp_rank, tp_size=tp_size)
     return tensors, layout
-
-
-def apply(plan: WritePlan, local: LocalLayout, peer_rank: PeerRank) -> int:
-    """Does what NIXL's WRITE would with these descriptors; returns the bytes moved."""
-    if plan.pages is not None:
-        src = local.pages.addresses(plan.pages.local)
-        dst = peer_rank.pages.addresses(plan.pages.remote)
-        sizes = local.pages.sizes[plan.pages.local.astype(np.int64) // local.pages.num_blocks]
-    else:
-        src, dst, sizes = plan.plan.src, plan.plan.dst, plan.plan.lengths
-    for s, d, n in zip(src, dst, sizes):
-        ctypes.memmove(int(d), int(s), int(n))
-    return int(np.sum(sizes))
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1), (2, 2)])

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from kvpush.layout.geometry import window_first_token
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import sample_engines as sample
 from tests.unit.broker_harness import D, Harness, expect
+from tests.unit.write_copies import apply
 
 BLOCK, BLOCKS, HEADS, HEAD_SIZE, WINDOW = 16, 40, 2, 8, 64
 SLIDING, FULL = engine_pb2.KV_CACHE_GROUP_KIND_SLIDING_WINDOW, engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
@@ -57,12 +56,11 @@ def test_only_the_window_of_the_sliding_group_moves_and_every_block_of_the_full_
     order.destination.blocks.add(group_index=0, block_ids=d_sliding, first_token=window)
     order.destination.blocks.add(group_index=1, block_ids=d_full)
     ready = SourceReady("r", "t", 1, "c", D, (tuple(p_sliding), tuple(p_full)), num_tokens + 1, 5.0, "", 0, 0, b"")
-    (plan,) = build_write_plans(LocalLayout(p_layout, 0, 1, 0), ready, order, Peer("inc", {0: PeerRank("d0", d_layout)}))
+    local, peer_rank = LocalLayout(p_layout, 0, 1, 0), PeerRank("d0", d_layout)
+    (plan,) = build_write_plans(local, ready, order, Peer("inc", {0: peer_rank}))
     assert plan.pages is None and plan.expected == 1  # two groups: byte segments, one WRITE and one notification
-    for s, d, n in zip(plan.plan.src, plan.plan.dst, plan.plan.lengths):
-        ctypes.memmove(int(d), int(s), int(n))
     page = HEADS * BLOCK * 2 * HEAD_SIZE * 4
-    assert plan.plan.total_bytes == (len(d_sliding) + len(d_full)) * page  # whole pages: the window's 5 blocks, all 13 of the full group
+    assert apply(plan, local, peer_rank) == (len(d_sliding) + len(d_full)) * page  # whole pages: the window's 5 blocks, all 13 of the full group
     for position in range(13):
         assert torch.equal(d_tensors[1][d_full[position]], p_tensors[1][p_full[position]])
         if position >= window // BLOCK:

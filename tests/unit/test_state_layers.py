@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -17,6 +15,7 @@ from kvpush.layout.geometry import layout_mismatch
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.common import sample_engines as sample
 from tests.unit.broker_harness import Harness, expect
+from tests.unit.write_copies import apply
 
 STATE, FULL = engine_pb2.KV_CACHE_GROUP_KIND_STATE, engine_pb2.KV_CACHE_GROUP_KIND_FULL_ATTENTION
 BLOCKS, BLOCK, HEADS, HEAD_SIZE = 12, 16, 2, 8
@@ -53,10 +52,9 @@ def test_the_state_block_moves_whole_and_the_attention_blocks_beside_it():
     order.destination.blocks.add(group_index=0, block_ids=[9])
     order.destination.blocks.add(group_index=1, block_ids=[2, 3, 4])
     ready = SourceReady("r", "t", 1, "c", "decode-0", ((5,), (6, 7, 8)), num_tokens, 5.0, "", 0, 0, b"")
-    (plan,) = build_write_plans(LocalLayout(p_layout, 0, 1, 0), ready, order, Peer("inc", {0: PeerRank("d0", d_layout)}))
-    for s, d, n in zip(plan.plan.src, plan.plan.dst, plan.plan.lengths):
-        ctypes.memmove(int(d), int(s), int(n))
-    assert plan.plan.total_bytes == STATE_BYTES + 3 * PAGE
+    local, peer_rank = LocalLayout(p_layout, 0, 1, 0), PeerRank("d0", d_layout)
+    (plan,) = build_write_plans(local, ready, order, Peer("inc", {0: peer_rank}))
+    assert apply(plan, local, peer_rank) == STATE_BYTES + 3 * PAGE
     pages = p_buffer.view(BLOCKS, PAGE), d_buffer.view(BLOCKS, PAGE)
     assert torch.equal(pages[1][9, :STATE_BYTES], pages[0][5, :STATE_BYTES])
     assert not pages[1][9, STATE_BYTES:].any()  # the page's padding is not the state's
