@@ -23,7 +23,7 @@ from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.control import ControlSession
 from kvpush.connector.forward_times import ForwardTimes
 from kvpush.connector.handoff import SourceReady
-from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout, sliding_window_of
+from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout, mamba2_state_tensors, sliding_window_of
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
 from kvpush.connector.producer import Producer, ProducerCore
@@ -32,6 +32,7 @@ from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout
 from kvpush.engine.v1 import engine_pb2
+from kvpush.layout import states
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.common.clock import SystemClock
@@ -66,6 +67,7 @@ def compatibility_hash(vllm_config: Any, layout: engine_pb2.KvLayout) -> str:
         str(layout.num_layers),
         str(getattr(model.hf_config, "vocab_size", "")),
         *(g.state_format for g in layout.groups if g.state_format),
+        *(states.signature(g) for g in layout.groups if states.splittable(g)),
     ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:32]
 
@@ -79,6 +81,13 @@ def state_format_of(spec: Any) -> str:
     names = ("conv", "ssm") if len(spec.shapes) == 2 else tuple(f"state{i}" for i in range(len(spec.shapes)))
     states = ", ".join(f"{name} {str(dtype).removeprefix('torch.')}" for name, dtype in zip(names, spec.dtypes))
     return f"{states}, conv layout {os.environ.get('VLLM_SSM_CONV_STATE_LAYOUT', 'default')}"
+
+
+def _conv_state_dim_first() -> bool:
+    """Whether vLLM stores Mamba conv states channel-major ((dim, state_len), its "DS" layout)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    return is_conv_state_dim_first()
 
 
 def _parallel_ranks() -> tuple[int, int, int, int]:
@@ -185,8 +194,11 @@ class KvpushWorker:
             if kind is None:
                 raise ValueError(f"kvpush: KV cache group {group_index} is {type(spec).__name__}; kvpush moves "
                                  f"{', '.join(GROUP_KINDS)} groups")
+            state = kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE
             groups.append(GroupSpec(spec.block_size, self.kv_cache_config.num_blocks, kind, sliding_window_of(spec),
-                                    state_format_of(spec) if kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE else ""))
+                                    state_format_of(spec) if state else "",
+                                    mamba2_state_tensors(spec, self.vllm_config.model_config.hf_config, self.tp_size,
+                                                         _conv_state_dim_first()) if state else ()))
             kinds.add(kind)
             layers += [LayerTensor(extract_layer_index(n), n, group_index, kv_caches[n]) for n in group.layer_names]
         if engine_pb2.KV_CACHE_GROUP_KIND_MLA in kinds and len(kinds) != 1:

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvpush.connector.handoff import SourceReady
 from kvpush.engine.v1 import engine_pb2
-from kvpush.layout import heads
+from kvpush.layout import heads, states
 from kvpush.layout.geometry import dtype_bytes, planes_from_layout
 from kvpush.layout.pages import PageTable, PageWrite, page_table, page_write, pages_match
 from kvpush.layout.plan import Plan, Side, build_plan, merge
@@ -61,11 +61,24 @@ class LocalLayout:
 
 
 def side_of(layout: engine_pb2.KvLayout, group: int, block_ids, first_token: int, layers: frozenset[int] | None = None) -> Side:
-    """One side of a transfer in one KV cache group, of the given layers only if named."""
-    block_size = next(g.block_size for g in layout.groups if g.group_index == group)
+    """One side of a transfer in one KV cache group, of the given layers only if named.
+
+    Where vLLM splits the group's blocks into kernel blocks, the side is in
+    kernel blocks: block b's are b * ratio .. b * ratio + ratio - 1.
+    """
+    spec = next(g for g in layout.groups if g.group_index == group)
+    kernel, ratio = kernel_blocks(spec)
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if ratio > 1:
+        ids = (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).ravel()
     planes = [p for p in planes_from_layout(layout, group) if layers is None or p.layer_index in layers]
-    return Side(planes, dtype_bytes(layout), layout.head_size, block_size, layout.first_head,
-                np.asarray(block_ids, dtype=np.int64), first_token, layout.num_local_heads)
+    return Side(planes, dtype_bytes(layout), layout.head_size, kernel, layout.first_head, ids, first_token, layout.num_local_heads)
+
+
+def kernel_blocks(group: engine_pb2.KvCacheGroup) -> tuple[int, int]:
+    """(the block size the group's regions are in, kernel blocks per group block)."""
+    kernel = group.kernel_block_size or group.block_size
+    return kernel, group.block_size // kernel
 
 
 def page_table_of(layout: engine_pb2.KvLayout, layers: frozenset[int] | None = None) -> PageTable | None:
@@ -73,7 +86,7 @@ def page_table_of(layout: engine_pb2.KvLayout, layers: frozenset[int] | None = N
     if len(layout.groups) != 1 or not layout.regions:
         return None
     group = layout.groups[0]
-    return page_table(side_of(layout, group.group_index, [], 0, layers), group.num_blocks)
+    return page_table(side_of(layout, group.group_index, [], 0, layers), group.num_blocks * kernel_blocks(group)[1])
 
 
 def device_of(layout: engine_pb2.KvLayout) -> int:
@@ -119,7 +132,9 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
     """
     producers = heads.even_split(local.layout.total_kv_heads, local.tp_size)
     consumers = [heads.RankHeads(tp, r.layout.first_head, r.layout.num_local_heads) for tp, r in sorted(peer.ranks.items())]
-    routes = heads.routes(producers, consumers)
+    kv_routes = heads.routes(producers, consumers)
+    # State-space layers' states split by their own units (Mamba heads, groups): their routes may pair other ranks.
+    routes = kv_routes + states.routes(local.layout, local.tp_size, len(peer.ranks))
     destination = order.destination
     first_token = destination.first_token
     token_range = (first_token, first_token + destination.num_tokens)
@@ -128,7 +143,7 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
     dst_first = {b.group_index: max(b.first_token, first_token) for b in destination.blocks}
     plans = []
     for d_rank in order.decode_tp_ranks:
-        mine = [r for r in routes if r.producer == local.tp_rank and r.consumer == d_rank]
+        mine = [r for r in kv_routes if r.producer == local.tp_rank and r.consumer == d_rank]
         rank = peer.ranks[d_rank]
         expected = notifications_expected(local, d_rank, routes)
         if local.pages is not None and rank.prepared is not None and len(mine) == 1:
@@ -146,8 +161,7 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
         parts = []
         for group, src_ids in enumerate(ready.blocks):
             if group in local.state_groups:
-                if d_rank == local.tp_rank:  # state splits like heads, and moves only between equal TP sizes (the broker checks)
-                    parts.append(state_plan(local.layout, rank.layout, group, src_ids[0], dst_blocks[group][0], layers))
+                parts.append(state_plan(local, rank.layout, d_rank, len(peer.ranks), group, src_ids[0], dst_blocks[group][0], layers))
                 continue
             src = side_of(local.layout, group, src_ids, 0, layers)
             if not src.planes:
@@ -159,20 +173,33 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
     return plans
 
 
-def state_plan(src: engine_pb2.KvLayout, dst: engine_pb2.KvLayout, group: int, src_block: int, dst_block: int,
+def state_plan(local: LocalLayout, dst: engine_pb2.KvLayout, d_rank: int, d_tp: int, group: int, src_block: int, dst_block: int,
                layers: frozenset[int] | None) -> Plan:
-    """A state group's WRITE: each layer's state block whole, from P's block to D's."""
+    """A state group's WRITE to decode rank d_rank: each layer's share of the states that rank needs from this one.
+
+    A group that does not say how its states split moves whole, rank i to
+    rank i, between equal TP sizes only (the broker refuses other pairs).
+    """
+    src_group = next(g for g in local.layout.groups if g.group_index == group)
+    dst_group = next(g for g in dst.groups if g.group_index == group)
+    split = states.splittable(src_group) and states.splittable(dst_group)
+    runs = states.group_runs(src_group, dst_group, local.tp_rank, local.tp_size, d_rank, d_tp) if split else []
     dst_regions = {r.layer_index: r for r in dst.regions if r.group_index == group and r.plane == engine_pb2.KV_PLANE_STATE}
     src_addr, dst_addr, lengths = [], [], []
-    for region in src.regions:
+    for region in local.layout.regions:
         if region.group_index != group or region.plane != engine_pb2.KV_PLANE_STATE or (layers is not None and region.layer_index not in layers):
             continue
         peer = dst_regions[region.layer_index]
-        if peer.state_bytes != region.state_bytes:
-            raise ValueError(f"layer {region.layer_index}'s state is {region.state_bytes} bytes here and {peer.state_bytes} at the peer")
-        src_addr.append(region.base_address + src_block * region.block_stride_bytes)
-        dst_addr.append(peer.base_address + dst_block * peer.block_stride_bytes)
-        lengths.append(region.state_bytes)
+        if not split and d_rank == local.tp_rank:
+            if peer.state_bytes != region.state_bytes:
+                raise ValueError(f"layer {region.layer_index}'s state is {region.state_bytes} bytes here and {peer.state_bytes} at the peer")
+            runs = [(0, 0, region.state_bytes)]
+        src_at = region.base_address + src_block * region.block_stride_bytes
+        dst_at = peer.base_address + dst_block * peer.block_stride_bytes
+        for src_off, dst_off, length in runs:
+            src_addr.append(src_at + src_off)
+            dst_addr.append(dst_at + dst_off)
+            lengths.append(length)
     return merge(np.array(src_addr, dtype=np.int64), np.array(dst_addr, dtype=np.int64), np.array(lengths, dtype=np.int64))
 
 

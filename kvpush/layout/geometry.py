@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvpush.engine.v1 import engine_pb2
+from kvpush.layout import states
 
 DTYPE_SIZES = {
     engine_pb2.KV_DTYPE_FLOAT32: 4,
@@ -85,10 +86,7 @@ def describe_layer(
         raise ValueError(f"expected a [blocks, heads, tokens, channels] KV tensor, got shape {shape}")
     blocks, heads, tokens, channels = shape
     if blocks != num_blocks:
-        raise ValueError(
-            f"KV tensor has {blocks} kernel blocks for {num_blocks} cache blocks: kvpush needs the "
-            "attention kernel block size to equal --block-size"
-        )
+        raise ValueError(f"KV tensor has {blocks} blocks, not the {num_blocks} (kernel) blocks of its group")
     if heads != num_local_heads or channels != 2 * head_size or tokens != block_size:
         raise ValueError(
             f"KV tensor shape {shape} does not match blocks={num_blocks} heads={num_local_heads} "
@@ -115,10 +113,7 @@ def _latent_plane(shape: tuple[int, ...], strides_elems: tuple[int, ...], data_p
     """The one plane of an MLA layer's [blocks, tokens, latent] cache."""
     blocks, tokens, channels = shape
     if blocks != num_blocks:
-        raise ValueError(
-            f"MLA KV tensor has {blocks} kernel blocks for {num_blocks} cache blocks: kvpush needs the "
-            "attention kernel block size to equal --block-size"
-        )
+        raise ValueError(f"MLA KV tensor has {blocks} blocks, not the {num_blocks} (kernel) blocks of its group")
     if tokens != block_size or channels != head_size:
         raise ValueError(f"MLA KV tensor shape {shape} does not match blocks={num_blocks} block_size={block_size} latent={head_size}")
     s_block, s_token, s_chan = (s * element_size for s in strides_elems)
@@ -168,10 +163,11 @@ def compatibility_fields(layout: engine_pb2.KvLayout) -> tuple:
     """What must match between P and D for bytes to mean the same thing.
 
     Block size, block count and tensor-parallel split may differ; the
-    per-token per-head element layout may not.
+    per-token per-head element layout and how states split may not.
     """
     return (layout.dtype, layout.head_size, layout.total_kv_heads, layout.num_layers, tuple(sorted({g.kind for g in layout.groups})),
-            tuple(sorted(g.state_format for g in layout.groups if g.state_format)))
+            tuple(sorted(g.state_format for g in layout.groups if g.state_format)),
+            tuple(sorted(states.signature(g) for g in layout.groups if states.splittable(g))))
 
 
 def window_first_token(first_token: int, end_token: int, block_size: int, sliding_window: int) -> int:

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import FailedPrecondition, InvalidArgument, NotFound, Reason
-from kvpush.layout import heads
+from kvpush.layout import heads, states
 from kvpush.layout.geometry import layout_mismatch, window_first_token
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.attempts import RankKey
@@ -151,12 +151,16 @@ class Planner:
         if d.pp_size != 1:
             raise FailedPrecondition(f"decode engine {d.engine_id!r} is pipeline-parallel (pp_size {d.pp_size}): kvpush writes only into "
                                      "decode engines of pp_size 1", reason=Reason.INCOMPATIBLE_LAYOUT, field=decode_field)
-        if p.tp_size != d.tp_size and p.ranks and any(g.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE for g in p.ranks[0].layout.groups):
-            raise FailedPrecondition(f"engines {p.engine_id!r} and {d.engine_id!r} hold state-space (Mamba) layers, whose states move only "
-                                     f"between equal TP sizes (prefill TP {p.tp_size}, decode TP {d.tp_size})",
-                                     reason=Reason.INCOMPATIBLE_LAYOUT, field=field)
+        p_layout = p.ranks[0].layout if p.ranks else engine_pb2.KvLayout()
+        if p.tp_size != d.tp_size and d.ranks:
+            for mine, theirs in zip(p_layout.groups, d.ranks[0].layout.groups):
+                if mine.kind == engine_pb2.KV_CACHE_GROUP_KIND_STATE and not (states.splittable(mine) and states.splittable(theirs)):
+                    raise FailedPrecondition(f"engines {p.engine_id!r} and {d.engine_id!r} hold state layers ({mine.state_format}) that do "
+                                             f"not say how they split over TP ranks, so they move only between equal TP sizes (prefill "
+                                             f"TP {p.tp_size}, decode TP {d.tp_size})", reason=Reason.INCOMPATIBLE_LAYOUT, field=field)
         try:
-            routes = heads.routes(p_info.rank_heads, d_info.rank_heads)
+            # State layers' states split by their own units (Mamba heads, groups): their routes may pair other ranks.
+            routes = heads.routes(p_info.rank_heads, d_info.rank_heads) + states.routes(p_layout, p.tp_size, d.tp_size)
         except ValueError as exc:
             raise FailedPrecondition(str(exc), reason=Reason.INCOMPATIBLE_LAYOUT, field=field) from None
         orders = []

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from math import prod
+
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import AlreadyExists, FailedPrecondition, InvalidArgument, PermissionDenied, Reason
+from kvpush.layout import heads
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import validation
 from kvpush.services.registrar.config import RegistrarConfig
@@ -110,6 +113,7 @@ def registration_ttl(request: reg_pb.RegisterEngineRankRequest, cfg: RegistrarCo
     if not request.HasField("layout"):
         raise required("layout is required", "layout")
     _check_layout(request.layout, cfg)
+    _check_state_tensors(request.layout, request.rank.tp_rank, request.rank.tp_size)
     validation.check_text(request.compatibility_hash, "compatibility_hash", cfg.max_text_length)
 
     if not request.HasField("lease_ttl"):
@@ -120,6 +124,37 @@ def registration_ttl(request: reg_pb.RegisterEngineRankRequest, cfg: RegistrarCo
     if requested == 0:
         return cfg.default_lease_ttl_s
     return min(max(requested, cfg.min_lease_ttl_s), cfg.max_lease_ttl_s)
+
+def _check_state_tensors(layout: engine_pb2.KvLayout, tp_rank: int, tp_size: int) -> None:
+    """A state group's split must be one a peer of any TP size can plan with: its states inside every state block, each
+    split dimension tiled by this rank's share of its segments."""
+    state_bytes = {r.group_index: r.state_bytes for r in layout.regions if r.plane == engine_pb2.KV_PLANE_STATE}
+    for i, group in enumerate(layout.groups):
+        for j, tensor in enumerate(group.state_tensors):
+            where = f"layout.groups[{i}].state_tensors[{j}]"
+            if group.kind != engine_pb2.KV_CACHE_GROUP_KIND_STATE:
+                raise InvalidArgument("only a KV_CACHE_GROUP_KIND_STATE group has state tensors", reason=Reason.FIELD_INVALID, field=where)
+            if tensor.element_bytes == 0:
+                raise required(f"{where}.element_bytes must be positive", f"{where}.element_bytes")
+            if tensor.split_dim >= len(tensor.shape) or 0 in tensor.shape:
+                raise out_of_range(f"{where}.split_dim {tensor.split_dim} must name one of the positive dimensions of shape "
+                                   f"{list(tensor.shape)}", f"{where}.split_dim")
+            end = tensor.offset_bytes + prod(tensor.shape) * tensor.element_bytes
+            if end > state_bytes.get(group.group_index, 0):
+                raise out_of_range(f"the state ends at byte {end}, past its layers' state_bytes {state_bytes.get(group.group_index, 0)}",
+                                   f"{where}.offset_bytes")
+            share = 0
+            for k, segment in enumerate(tensor.segments):
+                if segment.units == 0 or segment.unit_size == 0:
+                    raise required(f"{where}.segments[{k}] needs positive units and unit_size", f"{where}.segments[{k}]")
+                try:
+                    share += heads.even_split(segment.units, tp_size)[tp_rank].num_heads * segment.unit_size
+                except ValueError as exc:
+                    raise out_of_range(f"{where}.segments[{k}]: {exc}", f"{where}.segments[{k}].units") from None
+            if share != tensor.shape[tensor.split_dim]:
+                raise out_of_range(f"this rank's share of the segments is {share} elements, not the split dimension's "
+                                   f"{tensor.shape[tensor.split_dim]}", f"{where}.segments")
+
 
 def _check_layout(layout: engine_pb2.KvLayout, cfg: RegistrarConfig) -> None:
     validation.check_enum(layout.dtype, _DTYPES, "layout.dtype")
@@ -153,6 +188,9 @@ def _check_layout(layout: engine_pb2.KvLayout, cfg: RegistrarConfig) -> None:
             raise required(f"{where}.block_size must be positive", f"{where}.block_size")
         if group.num_blocks == 0:
             raise required(f"{where}.num_blocks must be positive", f"{where}.num_blocks")
+        if group.kernel_block_size and group.block_size % group.kernel_block_size:
+            raise out_of_range(f"{where}.kernel_block_size {group.kernel_block_size} must divide block_size {group.block_size}",
+                               f"{where}.kernel_block_size")
 
     if not layout.regions:
         raise required("layout.regions needs at least one region", "layout.regions")

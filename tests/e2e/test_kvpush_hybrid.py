@@ -82,13 +82,20 @@ def mamba_reference(tmp_path_factory, mamba_model):
     return prompts, reference_run(mamba_model, prompts, MAX_TOKENS, log_path=tmp_path_factory.mktemp("ref") / "reference.log")
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["P-tp1_to_D-tp1", "P-tp2_to_D-tp2"])
-def test_the_mamba_state_after_all_but_the_last_token_moves_whole_with_the_attention_blocks(tmp_path, mamba_model, mamba_reference, tp):
-    """P stops one token short (a state cannot be stepped back), and writes its state block and the attention KV; D computes the last token."""
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 2), (1, 2), (2, 1)],
+                         ids=["P-tp1_to_D-tp1", "P-tp2_to_D-tp2", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1"])
+def test_the_mamba_state_after_all_but_the_last_token_moves_with_the_attention_blocks(tmp_path, mamba_model, mamba_reference, p_tp, d_tp):
+    """P stops one token short (a state cannot be stepped back) and writes its state and the attention KV; D computes the last token.
+
+    Between TP sizes the states are cut the way vLLM cuts them (the conv
+    state's x, B and C channels and the SSM heads), so every decode rank gets
+    its share from the prefill ranks that hold it.
+    """
     prompts, expected = mamba_reference
-    ids, args = ("prefill-m", "decode-m"), ["--tensor-parallel-size", str(tp)]
-    with pd_pair(tmp_path, mamba_model, ids, args, args) as (control_plane, prefill, decode):
+    ids = ("prefill-m", "decode-m")
+    with pd_pair(tmp_path, mamba_model, ids, ["--tensor-parallel-size", str(p_tp)], ["--tensor-parallel-size", str(d_tp)]) as (
+            control_plane, prefill, decode):
         for prompt, transfer in checked_transfers(control_plane, prefill, decode, ids, prompts, expected, both_orders_at=1):
-            # The attention layer's whole blocks of the first N - 1 tokens (split over D's ranks), and each rank's state share.
-            attention = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE * LAYER_BYTES_PER_TOKEN
-            assert transfer.bytes_written == attention + STATE_BYTES, (len(prompt), transfer.bytes_written)
+            # The attention layer's first N - 1 tokens (whole blocks where both sides split heads alike), and all of the state.
+            tokens = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE if p_tp == d_tp else len(prompt) - 1
+            assert transfer.bytes_written == tokens * LAYER_BYTES_PER_TOKEN + STATE_BYTES, (len(prompt), transfer.bytes_written)

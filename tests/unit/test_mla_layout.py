@@ -50,7 +50,7 @@ def test_an_mla_layer_is_one_latent_plane_with_every_rank_holding_it(cpu_view):
 @pytest.mark.parametrize("shape, message", [
     ((BLOCKS, 2, BLOCK, LATENT), "MLA"),  # two heads: not a latent
     ((BLOCKS, BLOCK, LATENT + 64), "latent=576"),
-    ((BLOCKS * 2, BLOCK, LATENT), "kernel block size"),
+    ((BLOCKS * 2, BLOCK, LATENT), "blocks of its group"),
 ])
 def test_a_latent_tensor_of_another_shape_is_refused(shape, message):
     with pytest.raises(ValueError, match=message):

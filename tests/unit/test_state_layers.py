@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""State-space (Mamba) layers: a request's state block moves whole beside the attention KV, between equal TP sizes only."""
+"""State-space (Mamba) layers: a request's state block moves whole beside the attention KV; a state that does not say how it splits
+moves between equal TP sizes only."""
 
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def test_the_state_block_moves_whole_and_the_attention_blocks_beside_it():
     assert not any(pages[1][b].any() for b in set(range(BLOCKS)) - {9, 2, 3, 4})
 
 
-def state_engine(engine_id: str, role: int, tp_size: int, state_format: str = FORMAT) -> list:
-    requests = sample.engine_requests(engine_id, role, tp_size=tp_size)
+def state_engine(engine_id: str, role: int, tp_size: int, state_format: str = FORMAT, **kwargs) -> list:
+    requests = sample.engine_requests(engine_id, role, tp_size=tp_size, **kwargs)
     for request in requests:
         request.layout.groups.add(group_index=1, kind=STATE, block_size=4096, num_blocks=1000, state_format=state_format)
         request.layout.regions.add(layer_name="model.layers.2.mixer", layer_index=1, group_index=1, plane=engine_pb2.KV_PLANE_STATE,
@@ -74,7 +75,7 @@ def state_engine(engine_id: str, role: int, tp_size: int, state_format: str = FO
 
 
 @pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)])
-def test_the_broker_refuses_state_layers_between_unequal_tp_sizes_naming_both(p_tp, d_tp):
+def test_the_broker_refuses_unsplittable_state_layers_between_unequal_tp_sizes_naming_both(p_tp, d_tp):
     h = Harness(subscribe=False)
     for request in state_engine("prefill-s", sample.PREFILL, p_tp) + state_engine("decode-s", sample.DECODE, d_tp):
         h.registrar.register(request)
@@ -82,7 +83,7 @@ def test_the_broker_refuses_state_layers_between_unequal_tp_sizes_naming_both(p_
     request.destination.blocks.add(group_index=1, block_ids=[7])
     error = expect(errors.FailedPrecondition, errors.Reason.INCOMPATIBLE_LAYOUT, "prefill_engine_id", h.broker.register_destination,
                    request, "decode-s")
-    assert f"prefill TP {p_tp}, decode TP {d_tp}" in str(error) and "state-space (Mamba)" in str(error)
+    assert f"prefill TP {p_tp}, decode TP {d_tp}" in str(error) and "do not say how they split" in str(error)
 
 
 def test_another_state_layout_is_named_in_the_mismatch():

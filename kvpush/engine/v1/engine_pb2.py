@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvpush/engine/v1/engine.proto\x12\x10kvpush.engine.v1\"\xa4\x01\n\nEngineRank\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12*\n\x04role\x18\x03 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07pp_rank\x18\x06 \x01(\r\x12\x0f\n\x07pp_size\x18\x07 \x01(\r\"I\n\tNixlAgent\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08\x62\x61\x63kends\x18\x03 \x03(\t\"\xa1\x02\n\x08KvRegion\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x13\n\x0blayer_index\x18\x02 \x01(\r\x12\x13\n\x0bgroup_index\x18\x03 \x01(\r\x12(\n\x05plane\x18\x04 \x01(\x0e\x32\x19.kvpush.engine.v1.KvPlane\x12\x14\n\x0c\x62\x61se_address\x18\x05 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x06 \x01(\x04\x12\x19\n\x11head_stride_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12token_stride_bytes\x18\x08 \x01(\x04\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x1c\n\x14\x63hannel_stride_bytes\x18\n \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x0b \x01(\x04\"\xab\x01\n\x0cKvCacheGroup\x12\x13\n\x0bgroup_index\x18\x01 \x01(\r\x12\x30\n\x04kind\x18\x02 \x01(\x0e\x32\".kvpush.engine.v1.KvCacheGroupKind\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0esliding_window\x18\x05 \x01(\r\x12\x14\n\x0cstate_format\x18\x06 \x01(\t\"\xb0\x02\n\x08KvLayout\x12(\n\x05\x64type\x18\x01 \x01(\x0e\x32\x19.kvpush.engine.v1.KvDtype\x12\x11\n\thead_size\x18\x02 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x03 \x01(\r\x12\x12\n\nfirst_head\x18\x04 \x01(\r\x12\x17\n\x0fnum_local_heads\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x31\n\x0bmemory_kind\x18\x07 \x01(\x0e\x32\x1c.kvpush.engine.v1.MemoryKind\x12.\n\x06groups\x18\x08 \x03(\x0b\x32\x1e.kvpush.engine.v1.KvCacheGroup\x12+\n\x07regions\x18\t \x03(\x0b\x32\x1a.kvpush.engine.v1.KvRegion\"H\n\tBlockList\x12\x13\n\x0bgroup_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r*Z\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02*\x94\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E5M2\x10\x05*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*r\n\x07KvPlane\x12\x18\n\x14KV_PLANE_UNSPECIFIED\x10\x00\x12\x10\n\x0cKV_PLANE_KEY\x10\x01\x12\x12\n\x0eKV_PLANE_VALUE\x10\x02\x12\x13\n\x0fKV_PLANE_LATENT\x10\x03\x12\x12\n\x0eKV_PLANE_STATE\x10\x04*\xc3\x01\n\x10KvCacheGroupKind\x12#\n\x1fKV_CACHE_GROUP_KIND_UNSPECIFIED\x10\x00\x12&\n\"KV_CACHE_GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1b\n\x17KV_CACHE_GROUP_KIND_MLA\x10\x02\x12&\n\"KV_CACHE_GROUP_KIND_SLIDING_WINDOW\x10\x03\x12\x1d\n\x19KV_CACHE_GROUP_KIND_STATE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvpush/engine/v1/engine.proto\x12\x10kvpush.engine.v1\"\xa4\x01\n\nEngineRank\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12*\n\x04role\x18\x03 \x01(\x0e\x32\x1c.kvpush.engine.v1.EngineRole\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07pp_rank\x18\x06 \x01(\r\x12\x0f\n\x07pp_size\x18\x07 \x01(\r\"I\n\tNixlAgent\x12\x12\n\nagent_name\x18\x01 \x01(\t\x12\x16\n\x0e\x61gent_metadata\x18\x02 \x01(\x0c\x12\x10\n\x08\x62\x61\x63kends\x18\x03 \x03(\t\"\xa1\x02\n\x08KvRegion\x12\x12\n\nlayer_name\x18\x01 \x01(\t\x12\x13\n\x0blayer_index\x18\x02 \x01(\r\x12\x13\n\x0bgroup_index\x18\x03 \x01(\r\x12(\n\x05plane\x18\x04 \x01(\x0e\x32\x19.kvpush.engine.v1.KvPlane\x12\x14\n\x0c\x62\x61se_address\x18\x05 \x01(\x04\x12\x1a\n\x12\x62lock_stride_bytes\x18\x06 \x01(\x04\x12\x19\n\x11head_stride_bytes\x18\x07 \x01(\x04\x12\x1a\n\x12token_stride_bytes\x18\x08 \x01(\x04\x12\x11\n\tdevice_id\x18\t \x01(\r\x12\x1c\n\x14\x63hannel_stride_bytes\x18\n \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x0b \x01(\x04\"\xfc\x01\n\x0cKvCacheGroup\x12\x13\n\x0bgroup_index\x18\x01 \x01(\r\x12\x30\n\x04kind\x18\x02 \x01(\x0e\x32\".kvpush.engine.v1.KvCacheGroupKind\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x16\n\x0esliding_window\x18\x05 \x01(\r\x12\x14\n\x0cstate_format\x18\x06 \x01(\t\x12\x34\n\rstate_tensors\x18\x07 \x03(\x0b\x32\x1d.kvpush.engine.v1.StateTensor\x12\x19\n\x11kernel_block_size\x18\x08 \x01(\r\"\x8e\x01\n\x0bStateTensor\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x15\n\relement_bytes\x18\x03 \x01(\r\x12\x11\n\tsplit_dim\x18\x04 \x01(\r\x12\x30\n\x08segments\x18\x05 \x03(\x0b\x32\x1e.kvpush.engine.v1.StateSegment\"0\n\x0cStateSegment\x12\r\n\x05units\x18\x01 \x01(\r\x12\x11\n\tunit_size\x18\x02 \x01(\r\"\xb0\x02\n\x08KvLayout\x12(\n\x05\x64type\x18\x01 \x01(\x0e\x32\x19.kvpush.engine.v1.KvDtype\x12\x11\n\thead_size\x18\x02 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x03 \x01(\r\x12\x12\n\nfirst_head\x18\x04 \x01(\r\x12\x17\n\x0fnum_local_heads\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x31\n\x0bmemory_kind\x18\x07 \x01(\x0e\x32\x1c.kvpush.engine.v1.MemoryKind\x12.\n\x06groups\x18\x08 \x03(\x0b\x32\x1e.kvpush.engine.v1.KvCacheGroup\x12+\n\x07regions\x18\t \x03(\x0b\x32\x1a.kvpush.engine.v1.KvRegion\"H\n\tBlockList\x12\x13\n\x0bgroup_index\x18\x01 \x01(\r\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r*Z\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02*\x94\x01\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x14\n\x10KV_DTYPE_FLOAT32\x10\x01\x12\x14\n\x10KV_DTYPE_FLOAT16\x10\x02\x12\x15\n\x11KV_DTYPE_BFLOAT16\x10\x03\x12\x15\n\x11KV_DTYPE_FP8_E4M3\x10\x04\x12\x15\n\x11KV_DTYPE_FP8_E5M2\x10\x05*U\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10MEMORY_KIND_DRAM\x10\x01\x12\x14\n\x10MEMORY_KIND_VRAM\x10\x02*r\n\x07KvPlane\x12\x18\n\x14KV_PLANE_UNSPECIFIED\x10\x00\x12\x10\n\x0cKV_PLANE_KEY\x10\x01\x12\x12\n\x0eKV_PLANE_VALUE\x10\x02\x12\x13\n\x0fKV_PLANE_LATENT\x10\x03\x12\x12\n\x0eKV_PLANE_STATE\x10\x04*\xc3\x01\n\x10KvCacheGroupKind\x12#\n\x1fKV_CACHE_GROUP_KIND_UNSPECIFIED\x10\x00\x12&\n\"KV_CACHE_GROUP_KIND_FULL_ATTENTION\x10\x01\x12\x1b\n\x17KV_CACHE_GROUP_KIND_MLA\x10\x02\x12&\n\"KV_CACHE_GROUP_KIND_SLIDING_WINDOW\x10\x03\x12\x1d\n\x19KV_CACHE_GROUP_KIND_STATE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpush.engine.v1.engine_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENGINEROLE']._serialized_start=1140
-  _globals['_ENGINEROLE']._serialized_end=1230
-  _globals['_KVDTYPE']._serialized_start=1233
-  _globals['_KVDTYPE']._serialized_end=1381
-  _globals['_MEMORYKIND']._serialized_start=1383
-  _globals['_MEMORYKIND']._serialized_end=1468
-  _globals['_KVPLANE']._serialized_start=1470
-  _globals['_KVPLANE']._serialized_end=1584
-  _globals['_KVCACHEGROUPKIND']._serialized_start=1587
-  _globals['_KVCACHEGROUPKIND']._serialized_end=1782
+  _globals['_ENGINEROLE']._serialized_start=1416
+  _globals['_ENGINEROLE']._serialized_end=1506
+  _globals['_KVDTYPE']._serialized_start=1509
+  _globals['_KVDTYPE']._serialized_end=1657
+  _globals['_MEMORYKIND']._serialized_start=1659
+  _globals['_MEMORYKIND']._serialized_end=1744
+  _globals['_KVPLANE']._serialized_start=1746
+  _globals['_KVPLANE']._serialized_end=1860
+  _globals['_KVCACHEGROUPKIND']._serialized_start=1863
+  _globals['_KVCACHEGROUPKIND']._serialized_end=2058
   _globals['_ENGINERANK']._serialized_start=52
   _globals['_ENGINERANK']._serialized_end=216
   _globals['_NIXLAGENT']._serialized_start=218
@@ -48,9 +48,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVREGION']._serialized_start=294
   _globals['_KVREGION']._serialized_end=583
   _globals['_KVCACHEGROUP']._serialized_start=586
-  _globals['_KVCACHEGROUP']._serialized_end=757
-  _globals['_KVLAYOUT']._serialized_start=760
-  _globals['_KVLAYOUT']._serialized_end=1064
-  _globals['_BLOCKLIST']._serialized_start=1066
-  _globals['_BLOCKLIST']._serialized_end=1138
+  _globals['_KVCACHEGROUP']._serialized_end=838
+  _globals['_STATETENSOR']._serialized_start=841
+  _globals['_STATETENSOR']._serialized_end=983
+  _globals['_STATESEGMENT']._serialized_start=985
+  _globals['_STATESEGMENT']._serialized_end=1033
+  _globals['_KVLAYOUT']._serialized_start=1036
+  _globals['_KVLAYOUT']._serialized_end=1340
+  _globals['_BLOCKLIST']._serialized_start=1342
+  _globals['_BLOCKLIST']._serialized_end=1414
 # @@protoc_insertion_point(module_scope)

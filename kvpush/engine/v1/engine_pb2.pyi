@@ -121,20 +121,46 @@ class KvRegion(_message.Message):
     def __init__(self, layer_name: _Optional[str] = ..., layer_index: _Optional[int] = ..., group_index: _Optional[int] = ..., plane: _Optional[_Union[KvPlane, str]] = ..., base_address: _Optional[int] = ..., block_stride_bytes: _Optional[int] = ..., head_stride_bytes: _Optional[int] = ..., token_stride_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., channel_stride_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class KvCacheGroup(_message.Message):
-    __slots__ = ("group_index", "kind", "block_size", "num_blocks", "sliding_window", "state_format")
+    __slots__ = ("group_index", "kind", "block_size", "num_blocks", "sliding_window", "state_format", "state_tensors", "kernel_block_size")
     GROUP_INDEX_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     STATE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    STATE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     group_index: int
     kind: KvCacheGroupKind
     block_size: int
     num_blocks: int
     sliding_window: int
     state_format: str
-    def __init__(self, group_index: _Optional[int] = ..., kind: _Optional[_Union[KvCacheGroupKind, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., state_format: _Optional[str] = ...) -> None: ...
+    state_tensors: _containers.RepeatedCompositeFieldContainer[StateTensor]
+    kernel_block_size: int
+    def __init__(self, group_index: _Optional[int] = ..., kind: _Optional[_Union[KvCacheGroupKind, str]] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., sliding_window: _Optional[int] = ..., state_format: _Optional[str] = ..., state_tensors: _Optional[_Iterable[_Union[StateTensor, _Mapping]]] = ..., kernel_block_size: _Optional[int] = ...) -> None: ...
+
+class StateTensor(_message.Message):
+    __slots__ = ("offset_bytes", "shape", "element_bytes", "split_dim", "segments")
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_DIM_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    offset_bytes: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    element_bytes: int
+    split_dim: int
+    segments: _containers.RepeatedCompositeFieldContainer[StateSegment]
+    def __init__(self, offset_bytes: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., element_bytes: _Optional[int] = ..., split_dim: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[StateSegment, _Mapping]]] = ...) -> None: ...
+
+class StateSegment(_message.Message):
+    __slots__ = ("units", "unit_size")
+    UNITS_FIELD_NUMBER: _ClassVar[int]
+    UNIT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    units: int
+    unit_size: int
+    def __init__(self, units: _Optional[int] = ..., unit_size: _Optional[int] = ...) -> None: ...
 
 class KvLayout(_message.Message):
     __slots__ = ("dtype", "head_size", "total_kv_heads", "first_head", "num_local_heads", "num_layers", "memory_kind", "groups", "regions")
