@@ -24,8 +24,8 @@ server and the load generators spent per rendezvous, which bounds capacity
 whatever else the machine runs. Two ceilings are measured beside them: the
 broker core alone (no gRPC), and gRPC alone (a bare grpc.aio server on the
 same event loop answering the same messages, doing nothing else). Prints a
-table beside the target (issue 9: >= 10,000/s per control-plane process
-with p99 <= 5 ms) and one JSON line.
+table beside the target (>= 10,000/s per control-plane process with p99
+<= 5 ms) and one JSON line.
 
 With `--shards N` the control plane is the scaled-out form instead
 (kvpush.localstack.scaled: a 3-member etcd cluster, one registrar replica,
@@ -77,7 +77,7 @@ from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 from kvpush.shards import owner
 
-TARGET_RATE = 10_000  # issue 9: per control-plane process, open loop at 2k / 5k / 10k offered
+TARGET_RATE = 10_000  # per control-plane process, open loop at 2k / 5k / 10k offered
 TARGET_P99_MS = 5.0
 CALL_TIMEOUT_S = 5.0
 START_TIMEOUT_S = 20.0  # for the order streams to open

@@ -61,7 +61,7 @@ from bench.gpu_common import (
 from kvpush.layout.pages import merged_count, page_write
 from kvpush.layout.plan import build_plan, unmerged_plan
 
-TARGETS = {16384: 0.90, 65536: 0.95}  # fraction of the copy, fairly timed (issue 11)
+TARGETS = {16384: 0.90, 65536: 0.95}  # fraction of the copy, fairly timed
 TARGET_HOST_US = 20.0  # per-WRITE host time on the critical path
 PATHS = ("merged", "prepped", "unmerged")
 ID_KINDS = ("consecutive", "random")

@@ -3,8 +3,8 @@
 """CPU per request of every thread of P's and D's engines, each named by what it runs, at this checkout or an older one.
 
 The same measurement of two commits is what a before/after profile needs
-(issue 9: "a profile of P and D before and after, showing where each saved
-millisecond came from"). `record` runs a checkout's own `bench.sweep` with
+(P and D before and after a change, showing where each saved millisecond
+came from). `record` runs a checkout's own `bench.sweep` with
 each run's load wrapped: every thread's CPU time in P's and D's processes
 is read from /proc before and after it (exact, in clock ticks), and py-spy
 records on-CPU samples of every thread meanwhile (100 Hz, the engines not

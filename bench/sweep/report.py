@@ -18,11 +18,11 @@ from typing import Any
 from bench.sweep.measure import THREAD_FLOOR_MS
 from kvpush.report.breakdown import SEGMENTS, percentile
 
-# Targets (issue "Benchmarks: reproduce the push-vs-pull study on this machine").
-TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.5  # issue 9: against the better upstream mode
+# Targets of the push-vs-pull study on this machine.
+TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.5  # against the better upstream mode
 TARGET_CPU_RATIO = 0.8  # engine CPU per request, kvpush over upstream push, on P and on D
 TARGET_HANDOFF_OVERHEAD_MS = 5.0
-# Issue 9: the hand-off kvpush owns (prefill end → WRITE posted → KV landed → D's first step starts), p50, at these points.
+# The hand-off kvpush owns (prefill end → WRITE posted → KV landed → D's first step starts), p50, at these points.
 TARGET_OWNED_HANDOFF_MS = 2.0
 OWNED_HANDOFF_INPUT_LEN = 256
 OWNED_HANDOFF_MAX_QPS = 4.0

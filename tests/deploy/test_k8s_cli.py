@@ -32,13 +32,6 @@ from tests.deploy.manifests import (
     token_mount,
 )
 
-# Flags the scaled-out manifests pass that issue 10's other branches are adding to the CLI now.
-# While a subcommand's parser lacks one of these, its container's full parse is skipped (naming the
-# flags); a missing flag not listed here fails. Once they land every flag is parsed for real.
-PENDING_FLAGS = {
-    "registrar": {"--etcd", "--etcd-prefix"},
-    "broker": {"--etcd", "--etcd-prefix", "--member-id", "--advertise", "--shard-lease-ttl"},
-}
 KVPUSH = [(form, workload, container) for form in FORMS for workload, container in kvpush_containers(form)]
 
 
@@ -57,9 +50,7 @@ def test_kvpush_containers_pass_only_flags_and_settings_their_subcommand_has(mon
         settings = {k for k in form.find("ConfigMap", source["configMapRef"]["name"])["data"] if k.startswith("KVPUSH_")}
         assert settings <= parser_envs(parser), f"kvpush {command} reads no {sorted(settings - parser_envs(parser))}"
     missing = set(flags_in(args)) - parser_flags(parser)
-    assert missing <= PENDING_FLAGS.get(command, set()), f"kvpush {command} has no {sorted(missing)}"
-    if missing:
-        pytest.skip(f"kvpush {command} has no {sorted(missing)} yet (issue 10's pending flags); settings checked, full parse skipped")
+    assert not missing, f"kvpush {command} has no {sorted(missing)}"
     parsed = parser.parse_args(args)  # an unknown flag or a bad value exits here
     if command == "router":
         return  # test_router_configmap_... checks its settings
@@ -117,8 +108,6 @@ def test_engines_run_kvpush_with_a_config_the_connector_accepts(tmp_path, monkey
 def test_engines_reach_the_brokers_through_the_connectors_broker_setting(tmp_path, monkeypatch):
     """The connector's `broker` setting (the key kvpush.localstack's scaled stack passes) reads $KVPUSH_BROKER from kvpush-endpoints."""
     settings = {f.name: s for f in dataclasses.fields(ConnectorConfig) for s in f.metadata.values() if isinstance(s, Setting)}
-    if "broker" not in settings:
-        pytest.skip("ConnectorConfig has no `broker` setting yet (issue 10's connector branch adds the broker target)")
     assert settings["broker"].env == "KVPUSH_BROKER", "kvpush-endpoints gives engines their broker target as $KVPUSH_BROKER"
     for form in FORMS:
         kv_config, statefulset, container = engine_kv_config(form, "decode")

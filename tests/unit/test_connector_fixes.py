@@ -89,7 +89,7 @@ def test_destination_descriptors_use_the_decode_ranks_device_not_ours():
 
 
 def test_prefill_done_goes_with_the_early_orders_write_result():
-    """Issue 9: nothing control-plane-bound sits between the end of prefill and the WRITE post, and an early order's
+    """Nothing control-plane-bound sits between the end of prefill and the WRITE post, and an early order's
     prefill-done leaves with its WRITE's result (one stream message), just before it; without an order it leaves at once."""
     transport = RecordingTransport()
     events: list[str] = []
