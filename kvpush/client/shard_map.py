@@ -13,6 +13,7 @@ reached (NOT_SHARD_OWNER, see ShardedBrokerClient).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -29,17 +30,24 @@ logger = logging.getLogger(__name__)
 # The member id of an unsharded broker's one shard, and of the seed target before a map arrived.
 UNSHARDED = ""
 
+# How many of a member's heartbeat intervals of silence mean it is hung or cut off (its map is followed elsewhere then).
+SILENT_HEARTBEATS = 4
+
 # cb(added, removed): member_id -> address. A member whose address changed is in both.
 Listener = Callable[[dict[str, str], dict[str, str]], None]
 
 
 class ShardMap:
-    """Follows WatchShards on the seed broker target (config.broker_target or config.target) and keeps the newest map.
+    """Follows WatchShards on the seed broker target (config.broker_target or config.target), then on members, and keeps the newest map.
 
-    The seed may be a multi-address gRPC target (`ipv4:127.0.0.1:1,127.0.0.1:2`):
-    a broken stream reconnects with backoff, to whichever address answers;
-    a map with a revision lower than the one held (a member that lags
-    behind the coordination store) is ignored. `ready` is set once the
+    The seed may be a multi-address gRPC target (`ipv4:127.0.0.1:1,127.0.0.1:2`).
+    A sharded member repeats its map every heartbeat interval it names; a
+    stream that ends, fails, or stays silent for SILENT_HEARTBEATS of them
+    (a hung member, or one cut off from this client, keeps its connection
+    open and says nothing) is followed again on the next member of the map
+    (the seed when none), at once after a silence, after a backoff
+    otherwise. A map with a revision lower than the one held (a member that
+    lags behind the coordination store) is ignored. `ready` is set once the
     broker said what its map is (an unsharded broker, or one from before
     WatchShards, counts as the seed alone).
 
@@ -48,13 +56,22 @@ class ShardMap:
 
     def __init__(self, config: ClientConfig, *, tracer_provider: trace.TracerProvider | None = None, backoff: Backoff | None = None):
         self.seed_target = config.broker_target or config.target
+        self._config = config
+        self._tracer_provider = tracer_provider
         self._seed = BrokerClient(config, tracer_provider=tracer_provider)
+        self._followed = self.seed_target  # the address whose WatchShards stream the map follows
+        self._member_client: BrokerClient | None = None  # the followed member's, when it is not the seed
         self._backoff = backoff or Backoff()
         self._members: dict[str, str] = {UNSHARDED: self.seed_target}
         self.revision = 0  # of the map held; 0: unsharded (or none arrived yet)
         self.ready = asyncio.Event()
         self._listeners: list[Listener] = []
         self._task: asyncio.Task | None = None
+
+    @property
+    def followed(self) -> str:
+        """The address whose WatchShards stream the map follows now."""
+        return self._followed
 
     @property
     def sharded(self) -> bool:
@@ -105,29 +122,69 @@ class ShardMap:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        await self._set_followed(self.seed_target)
         await self._seed.close()
 
     async def _follow(self) -> None:
         while True:
+            address = self._followed
+            silence_s = None  # until a member says how often it repeats its map
             try:
-                async with self._seed.watch_shards() as stream:
-                    async for response in stream:
+                async with self._client().watch_shards() as stream:
+                    responses = aiter(stream)
+                    while True:
+                        try:
+                            async with asyncio.timeout(silence_s):
+                                response = await anext(responses)
+                        except StopAsyncIteration:
+                            break
                         self._backoff.reset()
                         self._apply(response)
+                        interval = response.heartbeat_interval.ToNanoseconds() / 1e9 if response.revision else 0.0
+                        silence_s = SILENT_HEARTBEATS * interval if interval else None
                 if not self.sharded:
                     return  # an unsharded broker said its map once: it never changes
-                logger.warning("shard map stream on %s ended; reconnecting", self.seed_target)
+                logger.warning("shard map stream on %s ended; following another member", address)
+            except TimeoutError:
+                # A hung or cut-off member keeps its connection open and says nothing: another member serves the same map
+                # (and drops this one once etcd does), so follow that one at once.
+                logger.warning("shard map stream on %s silent for %.2f s; following another member", address, silence_s)
+                await self._set_followed(self._next_address(address))
+                continue
             except errors.KvpushError as exc:
                 if exc.code == "UNIMPLEMENTED" and not self.sharded:
                     # A broker from before WatchShards is unsharded. Once a sharded map came, the
                     # address answering now is no member (a port reused): keep following.
                     self.ready.set()
                     return
-                logger.warning("shard map stream on %s failed (%s); reconnecting", self.seed_target, exc)
+                logger.warning("shard map stream on %s failed (%s); following another member", address, exc)
             except Exception:
                 # Whatever broke this stream, a map nobody follows would route to a dead member for ever.
-                logger.exception("shard map stream on %s broke; reconnecting", self.seed_target)
+                logger.exception("shard map stream on %s broke; following another member", address)
+            await self._set_followed(self._next_address(address))
             await self._backoff.sleep()
+
+    def _next_address(self, leaving: str) -> str:
+        """The address to follow after `leaving`: the next member's in the map (in address order), the seed when none."""
+        if not self.sharded:
+            return self.seed_target
+        candidates = sorted({a for a in self._members.values() if a != leaving} | {self.seed_target} - {leaving}) or [self.seed_target]
+        later = [a for a in candidates if a > leaving]
+        return (later or candidates)[0]
+
+    def _client(self) -> BrokerClient:
+        if self._followed == self.seed_target:
+            return self._seed
+        if self._member_client is None:
+            self._member_client = BrokerClient(dataclasses.replace(self._config, broker_target=self._followed),
+                                               tracer_provider=self._tracer_provider)
+        return self._member_client
+
+    async def _set_followed(self, address: str) -> None:
+        if address != self._followed and self._member_client is not None:
+            client, self._member_client = self._member_client, None
+            await client.close()
+        self._followed = address
 
     def _apply(self, response: pb.WatchShardsResponse) -> None:
         if self.ready.is_set() and response.revision <= self.revision:

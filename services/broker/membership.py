@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 
 # How many maps may wait for one WatchShards stream; past it the stream ends and its caller watches again.
 WATCH_CAPACITY = 64
+# How often a sharded member sends its map again while it does not change, so that a caller notices a hung or cut-off
+# member it follows (kvpush.client.shard_map: after SILENT_HEARTBEATS of silence) well inside a member's shortest etcd
+# lease (1 s): four small messages a second per watching client.
+SHARD_MAP_HEARTBEAT_S = 0.25
 
 
 class Membership(Protocol):
@@ -125,10 +129,13 @@ class MapMembership:
 
 def shard_map(membership: Membership) -> rv_pb.WatchShardsResponse:
     """The WatchShards answer for the membership's current map (shards ordered by member_id)."""
-    return rv_pb.WatchShardsResponse(
+    response = rv_pb.WatchShardsResponse(
         shards=[rv_pb.BrokerShard(member_id=m, address=a) for m, a in sorted(membership.members().items())],
         revision=membership.revision,
     )
+    if membership.revision:
+        response.heartbeat_interval.FromNanoseconds(int(SHARD_MAP_HEARTBEAT_S * 1e9))
+    return response
 
 
 class ShardWatches:

@@ -15,6 +15,7 @@ from kvpush.errors import Internal, InvalidArgument, KvpushError, Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.membership import SHARD_MAP_HEARTBEAT_S, shard_map
 from kvpush.services.common import validation
 from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.rpc import drain_to_stream, rpc_method
@@ -160,7 +161,10 @@ class BrokerServicer(rv_grpc.RendezvousServiceServicer):
         self._auth.identity(context)  # any authenticated caller may read the map
         outbox = self._core.watch_shards()
         try:
-            await drain_to_stream(outbox, context, lambda: True)
+            # A sharded member repeats its map while it holds still: a caller that hears nothing knows the member is hung.
+            sharded = self._core.membership.revision > 0
+            await drain_to_stream(outbox, context, lambda: True, heartbeat=(lambda: shard_map(self._core.membership)) if sharded else None,
+                                  heartbeat_interval_s=SHARD_MAP_HEARTBEAT_S)
         finally:
             self._core.unwatch_shards(outbox)
         # The stream ended: a member that stopped serving says so; otherwise (overflow, shutdown) the caller watches again.

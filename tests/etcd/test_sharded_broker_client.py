@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -73,3 +74,33 @@ async def test_the_sharded_client_reaches_each_owner_and_follows_a_member_that_d
             answer = await client.register_destination(sample.destination_request(moved))
             assert answer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
             assert await held_by(plane, shards.owner(moved, remaining), moved)
+
+
+async def test_a_hung_first_member_is_left_for_another_at_once_and_dropped_when_etcd_drops_it(tmp_path, etcd_cluster, etcd_prefix):
+    """SIGSTOP of the member every client follows first: it keeps its connections open and says nothing. The map is
+    followed on another member within a few heartbeats, so the member leaves every client's map as soon as etcd drops
+    it (its lease), not when it wakes; its transfers go to their next owners meanwhile."""
+    async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
+        await plane.start_brokers("b1", "b2", "b3")
+        addresses = {member_id: service.address for member_id, service in plane.brokers.items()}
+        config = ClientConfig(target=addresses["b1"], token=plane.token("decode-0"), default_timeout_s=1.0)
+        shard_map = ShardMap(config, backoff=Backoff(0.02, 0.2))
+        async with ShardedBrokerClient(config, shard_map=shard_map) as client:
+            assert await shard_map.wait_ready(WAIT_S)
+            await until(lambda: shard_map.members() == addresses)
+            hung = plane.brokers["b1"].process
+            hung.signal(signal.SIGSTOP)
+            try:
+                paused_at = time.monotonic()
+                await until(lambda: shard_map.followed != addresses["b1"], 3.0)
+                left_after_s = time.monotonic() - paused_at
+                await until(lambda: "b1" not in shard_map.members(), LEASE_TTL_S + 3.0)
+                dropped_after_s = time.monotonic() - paused_at
+                # Silence is noticed in SILENT_HEARTBEATS intervals (1 s) and etcd drops a member 2-3 s after its last renewal.
+                assert left_after_s < 2.0 and dropped_after_s < LEASE_TTL_S + 2.0, (left_after_s, dropped_after_s)
+                moved = next(t for t in (f"h{n}" for n in range(100)) if shards.owner(t, addresses) == "b1")
+                answer = await client.register_destination(sample.destination_request(moved))
+                assert answer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
+                assert await held_by(plane, shards.owner(moved, {m: a for m, a in addresses.items() if m != "b1"}), moved)
+            finally:
+                hung.signal(signal.SIGCONT)

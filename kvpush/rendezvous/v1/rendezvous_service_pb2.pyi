@@ -287,9 +287,11 @@ class WatchShardsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WatchShardsResponse(_message.Message):
-    __slots__ = ("shards", "revision")
+    __slots__ = ("shards", "revision", "heartbeat_interval")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[BrokerShard]
     revision: int
-    def __init__(self, shards: _Optional[_Iterable[_Union[BrokerShard, _Mapping]]] = ..., revision: _Optional[int] = ...) -> None: ...
+    heartbeat_interval: _duration_pb2.Duration
+    def __init__(self, shards: _Optional[_Iterable[_Union[BrokerShard, _Mapping]]] = ..., revision: _Optional[int] = ..., heartbeat_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
