@@ -48,6 +48,13 @@ class RegistrarConfig(Settings):
         at_least=1,
         help="WatchEngines streams one caller identity may hold open",
     )
+    # outage_grace_s (etcd-backed replicas): a rank's etcd lease outlives its
+    # own TTL by this much, and a replica ends a rank that stopped renewing
+    # itself, so every replica may be down this long without a rank lapsing.
+    outage_grace_s: int = setting(
+        6, flag="--outage-grace", env="KVPUSH_REGISTRAR_OUTAGE_GRACE_S", convert=int, at_least=1,
+        help="seconds every registrar replica may be down at once without an engine's ranks lapsing (etcd-backed replicas)",
+    )
     max_ranks_per_engine: int = 1024
     max_groups: int = 64
     max_regions: int = 65_536

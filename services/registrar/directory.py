@@ -164,6 +164,10 @@ class Directory:
         """The rank a lease holds, or None."""
         return self._leases.get(lease_id)
 
+    def ranks(self) -> list[Rank]:
+        """Every registered rank (a copy of the list)."""
+        return list(self._leases.values())
+
     def add_removal_listener(self, listener: RemovalListener) -> None:
         self._removal_listeners.append(listener)
 

@@ -11,10 +11,22 @@ mirror applied them, so a caller reads its own write on the replica it
 wrote through. Identity rules are the local registrar's: only a lease's own
 engine may renew or end it, and a lease the mirror does not know is no
 one's.
+
+A rank's etcd lease is its TTL plus the outage grace: renewing resets it,
+so its time to live stays above the grace while the engine renews. A
+replica ends a rank whose lease's time to live fell below the grace (the
+engine has not renewed for its TTL) itself, with a departure key
+LEASE_EXPIRED, the way it ends a deregistered one. The registrars so
+decide every expiry, and when every replica is down (none renews, none
+expires) a rank lapses in etcd only after its TTL plus the grace: an
+outage shorter than the grace, minus the TTL's last renewal interval,
+expires nothing. A replica leaves ranks one TTL after it starts to renew
+before it judges them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import Iterable
@@ -34,6 +46,8 @@ logger = logging.getLogger(__name__)
 
 # A registration that lost this many races in a row gives up (Unavailable: the client retries later).
 _ATTEMPTS = 5
+# How often a replica looks for ranks whose engines stopped renewing: one etcd TimeToLive per rank each time.
+EXPIRY_INTERVAL_S = 0.5
 
 
 class EtcdLeases:
@@ -50,8 +64,9 @@ class EtcdLeases:
 
     async def register(self, request: reg_pb.RegisterEngineRankRequest) -> reg_pb.RegisterEngineRankResponse:
         """Registers one rank; see RegistrarService.RegisterEngineRank."""
-        # etcd leases last whole seconds.
+        # etcd leases last whole seconds; the rank's outlives its TTL by the outage grace (see expire_silent_ranks).
         ttl_s = max(1, math.ceil(checks.registration_ttl(request, self._config)))
+        grace_s = self._config.outage_grace_s
         rank = request.rank
         position = (rank.pp_rank, rank.tp_rank)
         key = self._keys.rank(rank.engine_id, rank.incarnation, position)
@@ -67,7 +82,7 @@ class EtcdLeases:
                 granted = await self._client.keep_alive_once(existing.lease)
                 if granted > 0:  # a repeat renews the lease it got (whose TTL etcd keeps)
                     await self._mirror.caught_up(existing.mod_revision, self._timeout_s)
-                    return self._grant(existing.lease, granted)
+                    return self._grant(existing.lease, max(1, granted - grace_s))
                 continue  # the lease just lapsed: its key is going too
             if not kvs and self._directory.engine(rank.engine_id) is None and self._directory.engine_count >= self._config.max_engines:
                 raise ResourceExhausted(
@@ -75,7 +90,8 @@ class EtcdLeases:
                     reason=Reason.TOO_MANY_ENGINES,
                     field="rank.engine_id",
                 )
-            lease, granted = await self._client.grant(ttl_s)
+            lease, granted = await self._client.grant(ttl_s + grace_s)
+            granted -= grace_s
             # A new incarnation: the old one's ranks go in the same Txn, with
             # a departure key (on the new lease) saying they were replaced.
             replaced = {self._incarnation(kv.key) for kv in old}
@@ -114,8 +130,8 @@ class EtcdLeases:
             if remaining <= 0:
                 response.unknown_lease_ids.append(lease_id)
                 continue
-            rank.expires = self._clock.now() + remaining
-            earliest = remaining if earliest is None else min(earliest, remaining)
+            rank.expires = self._clock.now() + rank.ttl
+            earliest = rank.ttl if earliest is None else min(earliest, rank.ttl)
         if earliest is not None:
             response.expire_time.CopyFrom(timestamp(self._clock.wall() + earliest))
         return response
@@ -141,6 +157,33 @@ class EtcdLeases:
         if not await self._mirror.caught_up(revision, self._timeout_s):
             logger.warning("deregistered %s, but this replica's mirror has not shown it yet", key.decode())
         return reg_pb.DeregisterEngineRankResponse(engine=record.snapshot)
+
+    async def expire_silent_ranks(self, interval_s: float = EXPIRY_INTERVAL_S) -> None:
+        """Ends, every interval_s, the ranks whose engines stopped renewing for their TTL (runs until cancelled)."""
+        started = self._clock.now()
+        while True:
+            await asyncio.sleep(interval_s)
+            for rank in self._directory.ranks():
+                if self._clock.now() < started + rank.ttl:
+                    continue  # after an outage, engines get one TTL to renew through this replica before they are judged
+                try:
+                    await self._expire_if_silent(rank)
+                except (Unavailable, DeadlineExceeded) as exc:
+                    logger.warning("checking lease %s: etcd did not answer (%s); checking again next round", rank.lease_id, exc)
+                    break
+
+    async def _expire_if_silent(self, rank: Rank) -> None:
+        lease = lease_number(rank.lease_id)
+        left = await self._client.time_to_live(lease)
+        if left <= 0 or left >= self._config.outage_grace_s:
+            return  # gone already (the mirror hears of it), or renewed within its TTL
+        record = rank.engine
+        key = self._keys.rank(record.engine_id, record.incarnation, rank.position)
+        departure = op_put(self._keys.departure(record.engine_id, record.incarnation), RemovalReason.LEASE_EXPIRED.encode(), lease)
+        committed, _ = await self._client.txn([compare_lease(key, "=", lease)], [departure, op_delete(key)])
+        if committed:
+            logger.info("rank %s: its engine renewed nothing for %g s; ended", key.decode(), rank.ttl)
+            await self._client.revoke(lease)
 
     async def _known_rank(self, lease_id: str) -> Rank | None:
         """The rank holding lease_id; a live lease the mirror does not know yet (a registration through another replica) is waited for."""

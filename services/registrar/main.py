@@ -60,7 +60,7 @@ async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, 
             await replica.mirror.synced.wait()
             await running.set_serving(registrar_servicer.SERVICE_NAME, True)
 
-        background, after_stop = [replica.mirror.run(), serving_once_synced()], [replica.close]
+        background, after_stop = [replica.mirror.run(), serving_once_synced(), replica.leases.expire_silent_ranks()], [replica.close]
     else:
         expiry = DeadlineRunner(core.sweep, clock, "lease expiry")
         core.set_wakeup(expiry.wake)

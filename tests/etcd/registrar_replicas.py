@@ -51,9 +51,13 @@ class Replica:
     channel: grpc.aio.Channel
     follower: asyncio.Task | None = None
 
+    expiry: asyncio.Task | None = None
+
     def follow(self) -> None:
-        """Starts the mirror following etcd."""
+        """Starts the mirror following etcd, and ending ranks whose engines stopped renewing (as `kvpush registrar` does)."""
         self.follower = asyncio.create_task(self.replica.mirror.run())
+        if self.expiry is None:
+            self.expiry = asyncio.create_task(self.replica.leases.expire_silent_ranks())
 
     async def stop_following(self) -> None:
         """Stops the mirror (as a broken watch would), leaving the directory as it is."""
@@ -97,6 +101,9 @@ async def running_replica(endpoints: list[str], prefix: bytes, config: Registrar
         await running.stop(0)
         if started is not None:
             await started.stop_following()
+            if started.expiry is not None:
+                started.expiry.cancel()
+                await asyncio.gather(started.expiry, return_exceptions=True)
         await replica.client.close()
 
 

@@ -12,7 +12,9 @@ from registrar_replicas import TOKENS, UPSERTED, WAIT_S, T, Watch, bearer, runni
 from kvpush.localstack.scaled import multi_target
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
+from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
+from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import write_private_file
 from tests.kvpush_process import KvpushProcess, wait_serving
@@ -159,3 +161,69 @@ class _ReplicaStub:
 
     def __init__(self, stub: reg_grpc.RegistrarServiceStub):
         self.stub = stub
+
+
+async def test_every_replica_down_for_five_seconds_expires_no_engine_and_fails_no_transfer(tmp_path, etcd_cluster, etcd_prefix):
+    """Both replicas killed at once for 5 s: no rank is renewed and none is ended meanwhile; a rank's etcd lease outlives
+    its 2 s TTL by the outage grace (6 s), so when the replicas are back the engine's renewals find its lease, the broker
+    never heard of a departure and the transfer waiting on the engine still waits."""
+    tokens_dir = tmp_path / "tokens"
+    tokens_dir.mkdir(mode=0o700)
+    for identity, token in TOKENS.items():
+        write_private_file(tokens_dir / identity, token + "\n")
+    shared = ("--tokens-dir", str(tokens_dir))
+    etcd_args = ("--etcd", ",".join(etcd_cluster.endpoints), "--etcd-prefix", etcd_prefix.decode(), "--min-lease-ttl", "1")
+    replicas = [KvpushProcess(tmp_path, f"registrar-{name}", "registrar", *shared, *etcd_args) for name in "ab"]
+    broker = None
+    try:
+        await asyncio.gather(*(replica.start() for replica in replicas))
+        target = multi_target([replica.address for replica in replicas])
+        broker = await KvpushProcess(tmp_path, "broker", "broker", *shared, "--registrar", target).start()
+        async with grpc.aio.insecure_channel(target) as channel, grpc.aio.insecure_channel(broker.address) as broker_channel:
+            await wait_serving(channel, "kvpush.registrar.v1.RegistrarService")
+            stub = reg_grpc.RegistrarServiceStub(channel)
+            prefill = await stub.RegisterEngineRank(sample.rank_request("prefill-0", sample.PREFILL, lease_ttl_s=2), metadata=bearer("prefill-0"), timeout=T)
+            await stub.RegisterEngineRank(sample.rank_request("decode-0", sample.DECODE), metadata=bearer("decode-0"), timeout=T)
+            await wait_serving(broker_channel, "kvpush.rendezvous.v1.RendezvousService")
+            rendezvous = rv_grpc.RendezvousServiceStub(broker_channel)
+            await _accepted(rendezvous, "t0", "decode-0")
+            stop, unknown = asyncio.Event(), []
+            renewers = [asyncio.create_task(_renew_through_outages(stub, "prefill-0", [prefill.lease_id], stop, unknown))]
+            try:
+                await asyncio.sleep(1.0)
+                await asyncio.gather(*(replica.kill() for replica in replicas))
+                await asyncio.sleep(5.0)
+                await asyncio.gather(*(replica.restart() for replica in replicas))
+                for replica in replicas:
+                    await wait_serving(replica.channel, "kvpush.registrar.v1.RegistrarService")
+                await asyncio.sleep(2.0)  # renewals through the restarted replicas, past the rank's TTL
+            finally:
+                stop.set()
+                renewed = await asyncio.gather(*renewers)
+            assert unknown == [] and all(renewed), (unknown, renewed)
+            engines = (await stub.ListEngines(reg_pb.ListEnginesRequest(), metadata=bearer("router"), timeout=T)).engines
+            assert ("prefill-0", READY) in [(e.engine_id, e.state) for e in engines]
+            transfer = (await rendezvous.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t0", attempt=1), metadata=bearer("router"), timeout=T)).transfer
+            assert transfer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL, transfer
+    finally:
+        statuses = [await service.stop() for service in (broker, *replicas) if service is not None]
+    assert statuses == [0, 0, 0]
+
+
+async def _renew_through_outages(stub, engine_id: str, leases: list[str], stop: asyncio.Event, unknown: list[str]) -> int:
+    """Renews every 0.3 s until stop, as an engine does: a failed stream is opened again after 0.2 s; returns renewals answered."""
+    renewals = 0
+    while not stop.is_set():
+        stream = stub.KeepAlive(metadata=bearer(engine_id), timeout=60)
+        try:
+            while not stop.is_set():
+                await stream.write(reg_pb.KeepAliveRequest(lease_ids=leases))
+                response = await asyncio.wait_for(stream.read(), WAIT_S)
+                unknown.extend(response.unknown_lease_ids)
+                renewals += 1
+                await asyncio.sleep(0.3)
+        except (TimeoutError, grpc.aio.AioRpcError, asyncio.InvalidStateError):  # a write to a call the dead server ended
+            await asyncio.sleep(0.2)
+        finally:
+            stream.cancel()
+    return renewals
