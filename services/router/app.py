@@ -21,6 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpush.client import ClientConfig, ShardedBrokerClient
+from kvpush.services.router.attempt_times import AttemptTimes
 from kvpush.services.router.attempts import dispatch
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import (
@@ -54,6 +55,7 @@ class Router:
         self.prefill_pool = EnginePool(PREFILL, config.prefill, config.policy)
         self.decode_pool = EnginePool(DECODE, config.decode, config.policy)
         self.metrics = RouterMetrics((self.prefill_pool, self.decode_pool))
+        self.attempt_times = AttemptTimes()  # what a retry needs left of its request's time
         self._tracer_provider = tracer_provider
         self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
         self.session: aiohttp.ClientSession | None = None

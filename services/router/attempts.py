@@ -8,8 +8,8 @@ chunks) and by request_timeout_s in all. The first-output bound and the
 whole request's bound count from the request's arrival, the transfer
 deadline (push mode) from its first attempt: a retry gets what its
 predecessors left of them, so a request whose every attempt fails is still
-answered by its deadline, and none is made with less than RETRY_MIN_LEFT_S
-left. A leg that fails before any output reached the client ends its
+answered by its deadline, and none is made with less left than attempts
+take to their first output (attempt_times.py). A leg that fails before any output reached the client ends its
 attempt: the transfer attempt is cancelled at the broker (push mode; beside the answer, which never waits for it, and
 before any retry's legs), the other leg is abandoned (closing its connection
 makes vLLM abort it) and, when the fault was an engine's and another engine
@@ -68,9 +68,6 @@ CLIENT_CLOSED_STATUS = 499
 # checks that its client is still connected (aiohttp does not cancel
 # handlers by default, so nothing else would notice before the answer).
 CLIENT_CHECK_INTERVAL_S = 0.25
-# A retry with less than this left of the request's bounds could only miss
-# its deadline; the failure already in hand is the better answer.
-RETRY_MIN_LEFT_S = 0.1
 
 
 async def dispatch(router: Router, request: web.Request, ctx: RequestContext) -> web.StreamResponse:
@@ -86,23 +83,28 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
         if p_endpoint is None or d_endpoint is None:
             break
         if attempt > 1:
+            # A retry that cannot get output in what is left of the request would only trade the failure in hand
+            # (and its reason) for a deadline error later: answer with it now.
+            needed = router.attempt_times.retry_needs_s()
             left = _left_until_output(router, ctx)
-            if ctx.cancelling is not None and left >= RETRY_MIN_LEFT_S:
+            if ctx.cancelling is not None and left >= needed:
                 # The failed attempt's cancel reaches the broker before the retry's legs (within what is left).
-                await asyncio.wait([ctx.cancelling], timeout=left - RETRY_MIN_LEFT_S)
+                await asyncio.wait([ctx.cancelling], timeout=left - needed)
                 left = _left_until_output(router, ctx)
-            if left < RETRY_MIN_LEFT_S:
+            if left < needed:
                 router.metrics.retries_skipped.inc()
-                ctx.span.add_event("retry_skipped", {ATTR_ATTEMPT: attempt, "kvpush.left_s": round(left, 3)})
+                ctx.span.add_event("retry_skipped", {ATTR_ATTEMPT: attempt, "kvpush.left_s": round(left, 3), "kvpush.needed_s": round(needed, 3)})
                 break
             router.metrics.retries.inc()
             ctx.span.add_event("retry", {ATTR_ATTEMPT: attempt, "kvpush.prefill_engine_id": p_endpoint.engine_id, "kvpush.decode_engine_id": d_endpoint.engine_id})
         ctx.span.set_attributes({ATTR_ATTEMPT: attempt, "kvpush.prefill_engine_id": p_endpoint.engine_id, "kvpush.decode_engine_id": d_endpoint.engine_id})
+        started = time.monotonic()
         try:
             if router.config.mode == "pull":
                 opened = await _attempt_sequential(router, ctx, attempt, p_endpoint, d_endpoint)
             else:
                 opened = await _attempt_concurrent(router, ctx, attempt, p_endpoint, d_endpoint)
+            router.attempt_times.observe(time.monotonic() - started)
         except ClientGone:
             logger.info("request %s: the client went away before any output", ctx.client_request_id)
             ctx.failure_reason = CLIENT_GONE
@@ -174,7 +176,7 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
         if ctx.broker_owner.member_id:
             ctx.span.set_attribute("kvpush.broker_member_id", ctx.broker_owner.member_id)
         # The transfer deadline is the request's: the first attempt carries it,
-        # a retry what is left of it (dispatch keeps that >= RETRY_MIN_LEFT_S).
+        # a retry what is left of it (dispatch keeps that >= what an attempt takes).
         if ctx.transfer_deadline:
             timeout_ms = max(1, int(ctx.transfer_left_s() * 1000))
         else:

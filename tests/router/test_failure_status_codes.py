@@ -11,6 +11,7 @@ import pytest
 
 from kvpush.localstack.process import free_port
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.services.router.attempt_times import ATTEMPTS_KEPT
 from tests.router.fake_engines import DECODE_WORDS
 from tests.router.transfer_failure_harness import (
     BODY,
@@ -258,3 +259,25 @@ async def test_no_retry_is_made_with_less_than_its_minimum_left(plane, spans):
     retry_events = [e for s in spans[1].get_finished_spans() for e in s.events if e.name == "retry_skipped"]
     assert len(retry_events) == 1 and retry_events[0].attributes["kvpush.left_s"] < 0.1
     assert "kvpush_router_retries_skipped_total 1.0" in metrics and "kvpush_router_retries_total 0.0" in metrics
+
+
+async def test_no_retry_is_started_with_less_left_than_attempts_take_to_their_first_output(plane, spans):
+    hung, spare, decode = await serve(
+        ScriptedEngine("prefill", "prefill-0", just("hang")),
+        ScriptedEngine("prefill", "prefill-1", just("ok")),
+        ScriptedEngine("decode", "decode-0", just("hang")),
+    )
+    try:
+        # The prefill leg's timeout leaves ~0.3 s of the transfer deadline; recent attempts took 0.5 s to their output.
+        async with router_under_test(plane.port, [hung, spare], [decode], spans[0], transfer_timeout_ms=1000, prefill_timeout_s=0.7) as router:
+            for _ in range(ATTEMPTS_KEPT):
+                router.router.attempt_times.observe(0.5)
+            status, body, elapsed = await router.post("/v1/completions", BODY)
+    finally:
+        await stop(hung, spare, decode)
+    error = error_of(body)
+    assert status == 504 and (error["reason"], error["leg"], error["attempt"]) == ("LEG_TIMEOUT", "prefill", 1), error
+    assert not spare.received, "a retry with 0.3 s left cannot get output when attempts take 0.5 s: the first failure is answered"
+    assert elapsed < 1.0, f"answered {elapsed:.2f} s after arrival: at once, not at the transfer deadline"
+    (event,) = [e for s in spans[1].get_finished_spans() for e in s.events if e.name == "retry_skipped"]
+    assert 0.1 < event.attributes["kvpush.left_s"] < 0.5 and event.attributes["kvpush.needed_s"] == 0.5
