@@ -188,7 +188,7 @@ class ReportRouter:
         return self._retry_later(report)
 
     def _retry_later(self, report: Report) -> bool:
-        """A member that is not serving refused the item: it goes again, after a pause, to its transfer's owner then."""
+        """A member that is not serving (or not caught up) refused the item: it goes again, after a pause, to its transfer's owner then."""
         delay = min(RETRY_FIRST_S * 2 ** report.retries, RETRY_MAX_S)
         if self._loop.time() + delay >= report.expires:
             return False

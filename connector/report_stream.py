@@ -19,8 +19,9 @@ With a sharded broker an engine keeps one such stream per broker member
 (ReportRouter, report_routing.py, sends each item to its transfer's owner);
 an item a member refuses as not its own (NOT_SHARD_OWNER), or refuses while
 it is not serving (BROKER_SHARD_LOST: unsure of its membership lease, it
-applied nothing), goes back to the router through `reroute` instead of to
-its sender.
+applied nothing), or answers UNAVAILABLE (it has not caught up with the
+engine or the attempt yet), goes back to the router through `reroute`
+instead of to its sender.
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ class ReportStream:
                     for report, answer in zip(items, answers):
                         if answer.WhichOneof("result") == "error":
                             error = status.from_item_error(answer.error)
-                            if error.reason in SHARD_REFUSALS and self._reroute is not None and self._reroute(report, error):
+                            # A member that applied nothing and asks for a retry (UNAVAILABLE: not serving, or not caught up
+                            # with an engine or attempt yet) gets the item again, like a shard refusal.
+                            retry = error.reason in SHARD_REFUSALS or error.code == "UNAVAILABLE"
+                            if retry and self._reroute is not None and self._reroute(report, error):
                                 continue
                             deliver(report, None, error)
                         else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 
 from kvpush.engine.v1 import engine_pb2
-from kvpush.errors import PermissionDenied, Reason
+from kvpush.errors import Reason, Unavailable
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.attempts import Attempt
 from kvpush.services.broker.checks import identity_mismatch
@@ -32,12 +32,25 @@ def actor_of(directory: EngineDirectory, caller_engine_id: str | None) -> Actor:
         return Actor.ROUTER
     engine = directory.get_engine(caller_engine_id)
     if engine is None:
-        raise PermissionDenied(f"{caller_engine_id!r} is neither the router nor a registered engine", reason=Reason.ENGINE_IDENTITY_MISMATCH)
+        # The caller's token names an engine: this member's directory lacks it only while it catches up (it just
+        # restarted) or while the engine registers again. Either way the engine should retry, not give up.
+        raise Unavailable(f"engine {caller_engine_id!r} is not in this broker member's engine directory yet; retry",
+                          reason=Reason.ENGINE_NOT_FOUND)
     return Actor.PREFILL if engine.role == engine_pb2.ENGINE_ROLE_PREFILL else Actor.DECODE
 
 
 def authorize(att: Attempt, actor: Actor, caller_engine_id: str) -> None:
-    """An engine actor must be the attempt's engine of its role."""
-    named = att.p_engine_id if actor is Actor.PREFILL else att.d_engine_id if actor is Actor.DECODE else ""
-    if actor is not Actor.ROUTER and named != caller_engine_id:
-        raise identity_mismatch("key", named or "(none)", caller_engine_id)
+    """An engine actor must be the attempt's engine of its role (as its own side, or the other side, named it)."""
+    if actor is Actor.ROUTER:
+        return
+    if actor is Actor.PREFILL:
+        named = att.p_engine_id or (att.dest.prefill_engine_id if att.dest is not None else "")
+    else:
+        named = att.d_engine_id or (att.src.decode_engine_id if att.src is not None else "")
+    if not named:
+        # Only the other side reached this member yet (a restarted member learns an attempt from whichever side
+        # speaks first) and it named no engine of the caller's role: the caller's own message may still come.
+        raise Unavailable(f"attempt {att.key.attempt} of transfer {att.key.transfer_id!r} names no {actor.name.lower()} engine yet; retry",
+                          reason=Reason.TRANSFER_NOT_FOUND)
+    if named != caller_engine_id:
+        raise identity_mismatch("key", named, caller_engine_id)

@@ -66,11 +66,12 @@ def test_an_engine_may_cancel_only_its_own_transfers():
     assert h.state() == S.TRANSFER_STATE_WAITING_FOR_PREFILL
 
 
-def test_a_caller_neither_the_router_nor_a_registered_engine_may_cancel_nothing():
+def test_a_caller_neither_the_router_nor_a_registered_engine_may_cancel_nothing_and_is_told_to_retry():
+    """An engine this member's directory lacks may be one it has not caught up with yet (a member just restarted)."""
     h = Harness()
     h.register()
     for key in (tr_pb.TransferKey(transfer_id="t1", attempt=1), tr_pb.TransferKey(transfer_id="t1"), tr_pb.TransferKey(transfer_id="t2", attempt=1)):
-        expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "", h.broker.cancel, key, "stranger")
+        expect(errors.Unavailable, Reason.ENGINE_NOT_FOUND, "", h.broker.cancel, key, "stranger")
     assert h.state() == S.TRANSFER_STATE_WAITING_FOR_PREFILL
     assert h.broker.newest_attempt("t2") == 0  # not even a tombstone
 
@@ -82,7 +83,20 @@ def test_an_engine_that_left_cancels_nothing_more():
     for lease_id in h.leases[P]:
         h.registrar.deregister(lease_id, P)
     assert h.state() == S.TRANSFER_STATE_FAILED
-    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "", h.cancel, caller=P)
+    expect(errors.Unavailable, Reason.ENGINE_NOT_FOUND, "", h.cancel, caller=P)
+
+
+def test_a_decode_cancel_of_an_attempt_only_prefill_reached_counts_when_prefill_named_that_engine():
+    """A restarted member learns an attempt from whichever side speaks first: P's report names its decode engine."""
+    h = Harness()
+    h.prefill_done(decode_engine_id=D)
+    assert h.cancel(caller=D).state == S.TRANSFER_STATE_CANCELLED
+    assert h.broker.get_transfer("t1", 1).end_reason == S.END_REASON_CANCELLED_BY_DECODE
+    h.prefill_done(transfer_id="t2")  # names no decode engine: D's cancel waits for what says whose attempt it is
+    expect(errors.Unavailable, Reason.TRANSFER_NOT_FOUND, "", h.cancel, transfer_id="t2", caller=D)
+    h.registrar.register(sample.rank_request("decode-1", sample.DECODE))
+    h.prefill_done(transfer_id="t3", decode_engine_id="decode-1")
+    expect(errors.PermissionDenied, Reason.ENGINE_IDENTITY_MISMATCH, "key", h.cancel, transfer_id="t3", caller=D)
 
 
 def test_cancelling_every_attempt_and_unknown_attempts():
