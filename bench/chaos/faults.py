@@ -185,6 +185,28 @@ class Chaos:
         return {"member": member, "killed_pid": old_pid, "killed_unix": killed_unix,
                 "failover": failover, "rejoin": rejoin}
 
+    def fault_shard_pause(self) -> dict:
+        """SIGSTOP of broker shard 0, the first address of every client's broker target, for pause_s: a hung member keeps its
+        connections open and says nothing. How long until transfers it owned succeed again (once etcd drops it), then its
+        SIGCONT and rejoin."""
+        plane = self.stack.scaled
+        index = 0
+        member = plane.member_id(index)
+        members = [plane.member_id(i) for i in range(len(plane.brokers))]
+        process = plane.brokers[index].process
+        paused = time.monotonic()
+        process.signal(signal.SIGSTOP)
+        self.log(f"stopped broker shard {member} (pid {process.pid}) with SIGSTOP for {self.settings.pause_s:g} s")
+        try:
+            failover = self._probe_owned(member, members, paused, "failover")
+            time.sleep(max(0.0, self.settings.pause_s - (time.monotonic() - paused)))
+        finally:
+            process.signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        self.log(f"broker shard {member} resumed with SIGCONT")
+        rejoin = self._probe_owned(member, members, resumed, "rejoin")
+        return {"member": member, "pause_s": self.settings.pause_s, "failover": failover, "rejoin": rejoin}
+
     def fault_etcd_kill(self) -> dict:
         etcd = self.stack.scaled.etcd
         index = 0

@@ -42,8 +42,10 @@ def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) ->
     return out
 
 
-# The scaled-out control plane's failover targets (issue 10).
+# The scaled-out control plane's failover targets: a dead member's transfers move within FAILOVER_TARGET_S, a hung one's
+# (it stays in etcd until its lease lapses, 2 s) within PAUSE_FAILOVER_TARGET_S.
 FAILOVER_TARGET_S = 2.0
+PAUSE_FAILOVER_TARGET_S = 3.0
 # The router's reasons that name the attempt's broker member: it left the map, another owns the transfer, or it did not
 # answer and had not left the map by the request's deadline (etcd had not revoked its lease yet).
 SHARD_LOSS_REASONS = (BROKER_SHARD_LOST, BROKER_SHARD_MOVED, BROKER_MEMBER_UNREACHABLE)
@@ -60,6 +62,12 @@ def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:
             # Probes go straight to D, whose HTTP error carries no reason: only the router's failures are checked here.
             targets["shard-kill: every routed failure names the lost shard"] = all(any(reason in name for reason in SHARD_LOSS_REASONS) for name in failed)
             targets["shard-kill: the restarted shard serves its transfers again"] = f["notes"]["rejoin"]["seconds"] is not None
+        elif f["fault"] == "shard-pause":
+            seconds = f["notes"]["failover"]["seconds"]
+            targets[f"shard-pause: its transfers succeed again <= {PAUSE_FAILOVER_TARGET_S:g} s after the pause"] = (
+                seconds is not None and seconds <= PAUSE_FAILOVER_TARGET_S)
+            targets["shard-pause: every routed failure names the paused shard"] = all(any(reason in name for reason in SHARD_LOSS_REASONS) for name in failed)
+            targets["shard-pause: the resumed shard serves its transfers again"] = f["notes"]["rejoin"]["seconds"] is not None
         elif f["fault"] in ("etcd-kill", "registrar-kill"):
             targets[f"{f['fault']}: no request fails"] = f["routed"]["failed"] == 0 and f["direct"]["failed"] == 0
     return targets
@@ -108,10 +116,11 @@ def format_report(result: dict[str, Any]) -> str:
                          + "(" + ", ".join(f"{k} x{v}" for k, v in f["direct"]["failures_by_reason"].items()) + f"), hung {f['direct']['hung']}, "
                          f"wrong {f['direct']['wrong']}")
     for f in result["faults"]:
-        if f["fault"] == "shard-kill":
+        if f["fault"] in ("shard-kill", "shard-pause"):
             fo, rj = f["notes"]["failover"], f["notes"]["rejoin"]
-            lines.append(f"shard-kill ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the kill ({fo['probes']} probes, "
-                         f"failed {fo['failed_by_reason'] or 'none'}); after its restart {rj['seconds']} s ({rj['probes']} probes, "
+            what, back = ("kill", "its restart") if f["fault"] == "shard-kill" else ("pause", "it resumed")
+            lines.append(f"{f['fault']} ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the {what} ({fo['probes']} probes, "
+                         f"failed {fo['failed_by_reason'] or 'none'}); after {back} {rj['seconds']} s ({rj['probes']} probes, "
                          f"failed {rj['failed_by_reason'] or 'none'})")
     soak_result = result.get("soak")
     if soak_result and "error" in soak_result["checks"]:

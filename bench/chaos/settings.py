@@ -38,8 +38,8 @@ FAULTS: dict[str, str] = {
 }
 # Faults that need the embedded control plane (its process, P's proxy) or the scaled one.
 EMBEDDED_ONLY = ("cp-kill", "proxy-cut")
-SCALED_ONLY = ("shard-kill", "etcd-kill", "registrar-kill")
-FAILOVER_ORDER = ("shard-kill", "etcd-kill", "registrar-kill")
+SCALED_ONLY = ("shard-pause", "shard-kill", "etcd-kill", "registrar-kill")
+FAILOVER_ORDER = ("shard-pause", "shard-kill", "etcd-kill", "registrar-kill")
 LONG_ORDER = ("p-kill", "d-kill", "cp-kill", "p-stop", "proxy-cut", "disconnects", "collide")
 # The CI form: the cheap faults first, the one that restarts an engine last (its restart is the longest step).
 SHORT_ORDER = ("disconnects", "collide", "proxy-cut", "p-stop", "cp-kill", "p-kill")
@@ -69,6 +69,7 @@ class Settings:
     shards: int = 3
     shard_lease_ttl_s: float = 2.0
     part_down_s: float = 3.0  # etcd-kill / registrar-kill / shard-kill: how long the part stays dead before its restart
+    pause_s: float = 6.0  # shard-pause: how long the member stays stopped (longer than its lease)
     run_dir: Path | None = None
     model_dir: Path | None = None
 
