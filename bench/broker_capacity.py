@@ -68,6 +68,7 @@ from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+from kvpush.report.percentiles import percentile
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import sample_engines as sample
@@ -605,8 +606,8 @@ def summary(name: str, elapsed: float, server_cpu: float, parts: list[dict]) -> 
         errors.update(part["errors"])
     per = 1e6 / max(1, delivered)
 
-    def percentile(p: float) -> float:
-        return latencies[min(len(latencies) - 1, int(p * len(latencies)))] * 1e3 if latencies else float("nan")
+    def ms_at(p: float) -> float:
+        return percentile(latencies, p * 100) * 1e3 if latencies else float("nan")
 
     return {
         "phase": name,
@@ -614,8 +615,8 @@ def summary(name: str, elapsed: float, server_cpu: float, parts: list[dict]) -> 
         "delivered": delivered,
         "errors": dict(errors),
         "rendezvous_per_s": delivered / elapsed,
-        "p50_ms": percentile(0.50),
-        "p99_ms": percentile(0.99),
+        "p50_ms": ms_at(0.50),
+        "p99_ms": ms_at(0.99),
         "mean_ms": statistics.fmean(latencies) * 1e3 if latencies else float("nan"),
         # CPU per rendezvous bounds capacity on an idle core whatever else the machine runs.
         "server_cpu_us_per_rendezvous": server_cpu * per,

@@ -52,10 +52,10 @@ import dataclasses
 import json
 import math
 import random
-import statistics
 import time
 
 from kvpush.etcd.lease import RENEWALS_PER_TTL
+from kvpush.report.percentiles import percentile
 from kvpush.shards import owner
 
 MEMBER = "kvpush-broker-{}"  # the StatefulSet's pod names (deploy/k8s/scaled/13-broker.yaml)
@@ -172,13 +172,12 @@ def simulate(fleet: Fleet, costs: Costs, shards: int, *, sample_transfers: int, 
         waits.append(start - arrival)
         free_at = start + cpu
     utilisation = rate * cpu_per_transfer(fleet, costs, shards)
-    quantiles = statistics.quantiles(waits, n=100)
     overloaded = utilisation >= 1.0  # waits grow with the window: there is no steady state to report
     return ShardLoad(
         messages_per_s=rate * fleet.messages_per_transfer,
         utilisation=utilisation,
-        wait_p50_ms=math.inf if overloaded else quantiles[49] * 1e3,
-        wait_p99_ms=math.inf if overloaded else quantiles[98] * 1e3,
+        wait_p50_ms=math.inf if overloaded else percentile(waits, 50) * 1e3,
+        wait_p99_ms=math.inf if overloaded else percentile(waits, 99) * 1e3,
         live_attempts=round(fleet.in_flight / shards),
     )
 

@@ -317,12 +317,6 @@ class ProducerSide:
         self.agent.close()
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    return float(np.percentile(np.asarray(values, dtype=float), q))
-
-
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

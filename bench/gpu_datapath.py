@@ -53,13 +53,13 @@ from bench.gpu_common import (
     devices,
     environment,
     median,
-    percentile,
     run_and_report,
     run_session,
     synchronize,
 )
 from kvpush.layout.pages import merged_count, page_write
 from kvpush.layout.plan import build_plan, unmerged_plan
+from kvpush.report.percentiles import percentile
 
 TARGETS = {16384: 0.90, 65536: 0.95}  # fraction of the copy, fairly timed
 TARGET_HOST_US = 20.0  # per-WRITE host time on the critical path

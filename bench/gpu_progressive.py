@@ -43,12 +43,12 @@ from bench.gpu_common import (
     devices,
     environment,
     median,
-    percentile,
     run_and_report,
     run_session,
     synchronize,
 )
 from kvpush.layout.pages import page_write
+from kvpush.report.percentiles import percentile
 
 MODES = ("whole", "progressive", "one-layer")
 POLL_S = 0.0005  # the connector's poll_interval_ms while a WRITE is in flight

@@ -46,6 +46,7 @@ from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.stack import Stack, StackSpec
 from kvpush.localstack.transfers import dispatch
 from kvpush.processes import thread_cpu_seconds
+from kvpush.report.percentiles import percentile
 from kvpush.telemetry import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
 
@@ -66,11 +67,6 @@ SEGMENTS = (
     # Beside the chain: P's prefill (first scheduled -> its forward's end), where work moved into the forward would show.
     ("prefill", ("p.prefill", "start"), ("p.prefill", "end")),
 )
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
 def spans_by_transfer(traces: Path) -> dict[str, dict[str, dict]]:

@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from kvpush.report.breakdown import percentile
+from kvpush.report.percentiles import percentile
 
 METRICS = {"ttft": ("ttft_ms", "TTFT p50 (ms)"), "tpot": ("tpot_ms", "TPOT p50 (ms)")}
 MODE_STYLES = {

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.sweep.measure import THREAD_FLOOR_MS
-from kvpush.report.breakdown import SEGMENTS, percentile
+from kvpush.report.breakdown import SEGMENTS
+from kvpush.report.percentiles import percentile
 
 # Targets of the push-vs-pull study on this machine.
 TARGET_TTFT_RATIO_AT_HIGH_LOAD = 1.5  # against the better upstream mode

@@ -31,11 +31,11 @@ connectors, which emit no such spans) is None.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
+from kvpush.report.percentiles import percentile
 from kvpush.telemetry import ATTR_ATTEMPT, ATTR_TRANSFER_ID, FIRST_OUTPUT_EVENT, FIRST_TOKEN_EVENT
 
 ROUTER_SPAN = "router.request"
@@ -142,17 +142,6 @@ class Breakdown:
 
     def detail_rows(self) -> list[Row]:
         return [_row(name, label, [r.details[name] for r in self.requests]) for name, label, _ in DETAILS]
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0-100) with linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _row(name: str, label: str, values: Iterable[float | None]) -> Row:

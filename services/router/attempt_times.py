@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvpush.report.breakdown import percentile
+from kvpush.report.percentiles import percentile
 
 # A retry with less than this left of the request's bounds could only miss its deadline.
 RETRY_MIN_LEFT_S = 0.1

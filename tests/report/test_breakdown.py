@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import json
+import random
 
+import numpy as np
 import pytest
 
 from kvpush.cli import main as kvpush_main
@@ -45,6 +47,15 @@ def test_percentiles_interpolate_between_ranks():
     assert percentile([7.0], 90) == 7.0
     with pytest.raises(ValueError):
         percentile([], 50)
+
+
+def test_percentiles_are_numpys_linear_ones():
+    """The one definition every report and benchmark uses (kvpush.report.percentiles): numpy's default."""
+    rng = random.Random(7)
+    for n in (1, 2, 5, 64, 999):
+        values = [rng.expovariate(1.0) for _ in range(n)]
+        for q in (0, 10, 50, 90, 99, 99.9, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12, abs=1e-15)
 
 
 def test_rows_give_p50_p90_over_requests(tmp_path):
