@@ -32,6 +32,7 @@ FAULTS: dict[str, str] = {
     "disconnects": "clients close their HTTP connection at random times mid-request",
     "collide": "two decode legs sharing one (transfer_id, attempt) + its prefill leg, straight to D/P; malformed kvpush params",
     # The scaled-out control plane's faults (settings.scaled):
+    "shard-pause": "SIGSTOP of the broker shard every client follows first, past its lease; probes owned by it until one succeeds; SIGCONT",
     "shard-kill": "kill -9 of one broker shard; probes owned by it until one succeeds; the shard restarted (it rejoins)",
     "etcd-kill": "kill -9 of one etcd member, restarted after a while",
     "registrar-kill": "kill -9 of one registrar replica, restarted after a while",
