@@ -18,6 +18,8 @@ from kvpush.report.render import SEGMENT_COLORS, html_report
 from kvpush.telemetry import read_spans
 from tests.report.synthetic import routed_request, write_trace_file
 
+pytestmark = pytest.mark.browser
+
 CHROMIUM_TIMEOUT_S = 90
 # Flags for this machine's closed network: no background fetches, no sandbox as root.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",

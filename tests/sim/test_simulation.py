@@ -7,12 +7,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from kvpush.sim.run import run_many, run_schedule
 from kvpush.sim.simulation import Simulation
 
 CI_SCHEDULES = 3000
 
 
+@pytest.mark.slow
 def test_thousands_of_faulty_schedules_violate_no_invariant():
     failing, totals = run_many(0, CI_SCHEDULES, workers=2)
     assert not failing, [(o.seed, o.violations[:2]) for o in failing[:5]]

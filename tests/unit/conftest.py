@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-from nixl_pair import Pair
 
 from kvpush.services.common.clock import ManualClock
 from kvpush.services.registrar.config import RegistrarConfig
@@ -13,6 +12,8 @@ from kvpush.services.registrar.core import RegistrarCore
 
 @pytest.fixture
 def pair():
+    from nixl_pair import Pair  # NIXL and torch: only the tests that take a pair import them (the fast tier has neither)
+
     started = Pair().start()
     yield started
     started.close()
@@ -20,6 +21,8 @@ def pair():
 
 @pytest.fixture
 def stalled():
+    from nixl_pair import Pair
+
     started = Pair(stalled=True).start()
     yield started
     started.close()

@@ -17,6 +17,8 @@ import pytest
 
 from bench.upstream import ENGINE_HOOKS_DIR, engine_hooks_env
 
+pytestmark = pytest.mark.engine_stack  # each test starts an interpreter that imports vLLM or NIXL
+
 READER = r"""
 import json, pickle, sys, time
 from vllm.distributed.device_communicators import shm_broadcast
