@@ -58,6 +58,7 @@ from collections.abc import Callable
 import grpc
 
 from kvpush.client import BrokerClient, ClientConfig
+from kvpush.clock import SystemClock
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.errors import KvpushError
 from kvpush.localstack.control_plane import start_control_plane
@@ -72,7 +73,6 @@ from kvpush.report.percentiles import percentile
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.server import run_event_loop
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore

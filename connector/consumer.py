@@ -40,11 +40,11 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvpush.clock import Clock
 from kvpush.connector.handoff import DestinationReady, Key
 from kvpush.connector.nixl_agent import HELLO
 from kvpush.connector.notification import Notification, parse_due, parse_notification
 from kvpush.connector.transfer_thread import TransferThread
-from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ import logging
 from dataclasses import dataclass
 
 from kvpush import shards
+from kvpush.clock import Clock
 from kvpush.connector.handoff import Key
 from kvpush.connector.params import TransferParams
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 

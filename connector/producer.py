@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
+from kvpush.clock import Clock
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.connector.notification import due_notification
@@ -34,7 +35,6 @@ from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan,
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common.clock import Clock
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from kvpush import errors
+from kvpush.clock import SystemClock, duration, timestamp
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWait, DecodeWaits
@@ -39,8 +40,6 @@ from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans
 from kvpush.layout.geometry import window_first_token
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
-from kvpush.services.common.clock import SystemClock, timestamp
-from kvpush.services.common.validation import duration
 
 logger = logging.getLogger(__name__)
 

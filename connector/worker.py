@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from kvpush.clock import SystemClock
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.control import ControlSession
@@ -35,7 +36,6 @@ from kvpush.engine.v1 import engine_pb2
 from kvpush.layout import states
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
-from kvpush.services.common.clock import SystemClock
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 
+from kvpush.clock import Clock, SystemClock
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
@@ -20,7 +21,6 @@ from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.common.auth import Authenticator
-from kvpush.services.common.clock import Clock, SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import (

@@ -7,6 +7,7 @@ import contextlib
 import queue
 from collections.abc import Iterator
 
+from kvpush.clock import ManualClock
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWaits
@@ -14,7 +15,6 @@ from kvpush.connector.params import TransferParams
 from kvpush.connector.report_stream import Report
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock
 
 
 class DecodeSession:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpush.clock import duration, timestamp
 from kvpush.connector.consumer import ConsumerCore
 from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, prompt_digest
@@ -15,8 +16,6 @@ from kvpush.layout import geometry
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import timestamp
-from kvpush.services.common.validation import duration
 from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
 from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, NoSpans, groups_of, prompt_of
 from kvpush.sim.nixl import DecodeAgent, DecodeMemory

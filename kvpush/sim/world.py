@@ -71,7 +71,7 @@ class Process:
         self.paused_until = 0.0
         self.alive = True
 
-    # Clock protocol (services.common.clock.Clock)
+    # Clock protocol (kvpush.clock.Clock)
     def now(self) -> float:
         return self.world.time + self.mono_origin
 

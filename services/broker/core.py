@@ -26,6 +26,7 @@ from collections.abc import Callable
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from kvpush.clock import Clock
 from kvpush.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, KvpushError, NotFound, Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
@@ -44,7 +45,6 @@ from kvpush.services.broker.plans import DECODE, PREFILL, EngineDirectory, Plann
 from kvpush.services.broker.store import AttemptStore
 from kvpush.services.broker.tracing import RendezvousTracing
 from kvpush.services.common import validation
-from kvpush.services.common.clock import Clock
 from kvpush.services.common.outbox import Outbox
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from opentelemetry.context import Context
 
+from kvpush.clock import Clock
 from kvpush.errors import KvpushError
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
@@ -35,7 +36,6 @@ from kvpush.services.broker.plans import Planner
 from kvpush.services.broker.store import AttemptStore
 from kvpush.services.broker.tracing import RendezvousTracing
 from kvpush.services.common import validation
-from kvpush.services.common.clock import Clock
 
 
 def owes_closure(att: Attempt, rank_key) -> bool:

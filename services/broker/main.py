@@ -11,6 +11,7 @@ import sys
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvpush.clock import SystemClock
 from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
@@ -21,7 +22,6 @@ from kvpush.services.broker.etcd_membership import EtcdMembership
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.broker.remote_directory import RemoteEngineDirectory
 from kvpush.services.common.auth import AUTHORIZATION_KEY, BEARER_PREFIX, Authenticator
-from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import (

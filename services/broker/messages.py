@@ -7,13 +7,12 @@ each rendering converts with the clock's current offset.
 
 from __future__ import annotations
 
+from kvpush.clock import Clock, duration, timestamp
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.attempts import Attempt, RankKey
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.tracing import RendezvousTracing
-from kvpush.services.common import validation
-from kvpush.services.common.clock import Clock, timestamp
 
 
 class Messages:
@@ -25,7 +24,7 @@ class Messages:
         self._max_clock_skew_s = config.max_clock_skew_s
         # The lease an order stream's message grants, shortened so the rank's clock cannot stretch it
         # (built once: every message carries the same).
-        self._order_lease = validation.duration(config.stream_lease_s - config.max_clock_skew_s)
+        self._order_lease = duration(config.stream_lease_s - config.max_clock_skew_s)
 
     # ----- to producer ranks -----
 
@@ -39,8 +38,8 @@ class Messages:
             decode_tp_ranks=consumers,
             # Measured by the rank from send_time: the skew allowance keeps
             # its last post before the deadline whatever its clock says.
-            write_budget=validation.duration(att.orders[rank_key].budget_end - now - self._max_clock_skew_s),
-            write_timeout=validation.duration(att.write_timeout),
+            write_budget=duration(att.orders[rank_key].budget_end - now - self._max_clock_skew_s),
+            write_timeout=duration(att.write_timeout),
         )
         carrier = self._tracing.carrier(att)
         if carrier:  # a map passed to the constructor goes through Python's MutableMapping.update even when empty

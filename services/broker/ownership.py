@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 
 from kvpush import shards
+from kvpush.clock import Clock
 from kvpush.errors import FailedPrecondition, Reason, Unavailable
 from kvpush.services.broker.membership import Membership
-from kvpush.services.common.clock import Clock
 
 SHARD_REASONS = frozenset((Reason.NOT_SHARD_OWNER, Reason.BROKER_SHARD_LOST))
 

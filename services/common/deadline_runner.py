@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvpush.services.common.clock import Clock
+from kvpush.clock import Clock
 
 logger = logging.getLogger(__name__)
 

@@ -57,7 +57,3 @@ def non_negative_seconds(duration: duration_pb2.Duration, field: str, maximum: f
     return seconds
 
 
-def duration(seconds: float) -> duration_pb2.Duration:
-    """A Duration proto for seconds (negative values become zero)."""
-    whole, nanos = divmod(int(seconds * 1e9), 1_000_000_000) if seconds > 0 else (0, 0)
-    return duration_pb2.Duration(seconds=whole, nanos=nanos)

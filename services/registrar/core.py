@@ -14,10 +14,9 @@ import heapq
 import uuid
 from collections.abc import Callable, Iterable
 
+from kvpush.clock import Clock, duration, timestamp, wall_at
 from kvpush.errors import NotFound, Reason, ResourceExhausted
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common import validation
-from kvpush.services.common.clock import Clock, timestamp, wall_at
 from kvpush.services.registrar import checks
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.directory import Directory, EngineRecord, Position, Rank, RemovalReason
@@ -128,7 +127,7 @@ class RegistrarCore(Directory):
     def _grant(self, rank: Rank) -> reg_pb.RegisterEngineRankResponse:
         return reg_pb.RegisterEngineRankResponse(
             lease_id=rank.lease_id,
-            lease_ttl=validation.duration(rank.ttl),
+            lease_ttl=duration(rank.ttl),
             expire_time=timestamp(wall_at(self._clock, rank.expires)),
         )
 

@@ -21,9 +21,9 @@ import collections
 import logging
 from collections.abc import Callable
 
+from kvpush.clock import Clock, timestamp, wall_at
 from kvpush.errors import NotFound, Reason, ResourceExhausted
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common.clock import Clock, timestamp, wall_at
 from kvpush.services.common.outbox import Outbox
 from kvpush.services.registrar import checks
 from kvpush.services.registrar.config import RegistrarConfig

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import re
 
+from kvpush.clock import timestamp
 from kvpush.etcd.client import prefix_end
 from kvpush.etcd.v1 import etcd_pb2
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common.clock import timestamp
 from kvpush.services.registrar.directory import Position
 
 _LEASE_NAME = re.compile(r"[0-9a-f]{1,16}")

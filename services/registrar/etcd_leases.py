@@ -31,11 +31,10 @@ import logging
 import math
 from collections.abc import Iterable
 
+from kvpush.clock import Clock, duration, timestamp
 from kvpush.errors import DeadlineExceeded, NotFound, Reason, ResourceExhausted, Unavailable
 from kvpush.etcd.client import EtcdClient, compare_lease, compare_version, op_delete, op_put
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common import validation
-from kvpush.services.common.clock import Clock, timestamp
 from kvpush.services.registrar import checks
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.directory import Rank, RemovalReason
@@ -201,5 +200,5 @@ class EtcdLeases:
 
     def _grant(self, lease: int, ttl_s: int) -> reg_pb.RegisterEngineRankResponse:
         return reg_pb.RegisterEngineRankResponse(
-            lease_id=lease_name(lease), lease_ttl=validation.duration(ttl_s), expire_time=timestamp(self._clock.wall() + ttl_s)
+            lease_id=lease_name(lease), lease_ttl=duration(ttl_s), expire_time=timestamp(self._clock.wall() + ttl_s)
         )

@@ -21,9 +21,9 @@ import time
 from google.protobuf.message import DecodeError
 
 from kvpush.client.backoff import Backoff
+from kvpush.clock import Clock
 from kvpush.etcd.client import EtcdClient, KeyValue, WatchBatch
 from kvpush.etcd.follow import follow_prefix
-from kvpush.services.common.clock import Clock
 from kvpush.services.registrar.directory import Directory, EngineRecord, Position, Rank, RemovalReason
 from kvpush.services.registrar.etcd_keys import EtcdKeys, decode_rank, lease_name
 

@@ -13,10 +13,10 @@ import sys
 
 from prometheus_client import CollectorRegistry
 
+from kvpush.clock import SystemClock
 from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
-from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import MetricsServer, Service, announce, build_server, run_event_loop, serve_until_signalled

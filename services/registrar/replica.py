@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
+from kvpush.clock import Clock
 from kvpush.etcd.settings import EtcdSettings
-from kvpush.services.common.clock import Clock
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.directory import Directory
 from kvpush.services.registrar.etcd_keys import EtcdKeys

@@ -11,11 +11,11 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry
 
+from kvpush.clock import SystemClock
 from kvpush.etcd.settings import EtcdSettings
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.common.auth import Authenticator
-from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.server import Service, build_server
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, IdentityTokens

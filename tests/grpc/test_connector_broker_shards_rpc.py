@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from rpc_harness import identity_tokens, token_of
 
 from kvpush import errors
+from kvpush.clock import SystemClock
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker import servicer as broker_servicer
@@ -30,7 +31,6 @@ from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.auth import Authenticator
-from kvpush.services.common.clock import SystemClock
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner
 from kvpush.services.common.server import RunningServer, Service, build_server

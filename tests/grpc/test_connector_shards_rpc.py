@@ -19,6 +19,7 @@ import pytest
 from stream_members import Cluster, StreamMember, stream_members
 
 from kvpush import errors, shards
+from kvpush.clock import ManualClock
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWaits
@@ -28,7 +29,6 @@ from kvpush.connector.report_stream import Report
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock
 from tests.sharding import eventually, owned
 from tests.unit.nixl_pair import transfer_threads
 

@@ -17,13 +17,13 @@ import pytest
 from rpc_harness import CALL_TIMEOUT_S, WAIT_S, FakeEngine, Inbox, bearer, expect_rpc_error, read, running_control_plane
 
 from kvpush import status
+from kvpush.clock import duration
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common import validation
 from kvpush.services.common.config import ServerConfig
 
 T = CALL_TIMEOUT_S
@@ -56,7 +56,7 @@ async def next_message(orders, timeout: float = WAIT_S) -> rv_pb.StreamWriteOrde
 def get_transfer(engine: FakeEngine, transfer_id: str, attempt: int = 0, wait_s: float | None = None, timeout: float = T):
     request = rv_pb.GetTransferRequest(transfer_id=transfer_id, attempt=attempt)
     if wait_s is not None:
-        request.wait.CopyFrom(validation.duration(wait_s))
+        request.wait.CopyFrom(duration(wait_s))
     return rv_grpc.RendezvousServiceStub(engine.channel).GetTransfer(request, metadata=bearer(), timeout=timeout)
 
 

@@ -14,6 +14,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from kvpush.clock import timestamp
 from kvpush.connector import write_plans
 from kvpush.connector.consumer import ConsumerCore, Receive
 from kvpush.connector.decode_waits import DecodeWaits
@@ -26,7 +27,6 @@ from kvpush.services.broker import attempts as a
 from kvpush.services.broker import checks, plans
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.machine import AttemptMachine
-from kvpush.services.common.clock import timestamp
 from kvpush.sim.simulation import Timing
 
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 
 from kvpush import errors
+from kvpush.clock import ManualClock, duration, timestamp
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore, Subscription
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common import validation
-from kvpush.services.common.clock import ManualClock, timestamp
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 
@@ -86,7 +85,7 @@ class Harness:
         if deadline_in is not None:
             request.deadline.CopyFrom(timestamp(self.clock.wall() + deadline_in))
         if hold_margin is not None:
-            request.hold_margin.CopyFrom(validation.duration(hold_margin))
+            request.hold_margin.CopyFrom(duration(hold_margin))
         return request
 
     def register(self, transfer_id: str = "t1", attempt: int = 1, **kwargs) -> rv_pb.RegisterDestinationResponse:

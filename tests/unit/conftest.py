@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.common.clock import ManualClock
+from kvpush.clock import ManualClock
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
+from kvpush.clock import ManualClock, SystemClock, duration, timestamp
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
@@ -32,8 +33,6 @@ from kvpush.layout.geometry import planes_from_layout
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common import validation
-from kvpush.services.common.clock import ManualClock, SystemClock, timestamp
 
 LAYERS, HEADS, HEAD_SIZE, NUM_BLOCKS = 2, 2, 16, 12
 P_BLOCK, D_BLOCK = 32, 64
@@ -171,7 +170,7 @@ class Pair:
             getattr(message, kind).key.transfer_id = transfer_id
             getattr(message, kind).key.attempt = attempt
         message.send_time.CopyFrom(timestamp(self.clock.wall() + sent_ahead_s))
-        message.stream_lease.CopyFrom(validation.duration(lease_s))
+        message.stream_lease.CopyFrom(duration(lease_s))
         return message
 
     def send(self, kind: str, transfer_id: str = "t1", *, stream: int = STREAM, **kwargs) -> None:
@@ -269,8 +268,8 @@ def order_body(transfer_id: str, attempt: int = 1, *, blocks=(5, 1), first_token
     if prompt is not None:  # the decode side's prompt, as its digest
         order.destination.prompt_digest = prompt_digest(packed_prompt(prompt), first_token + num_tokens)
     order.decode_tp_ranks.append(0)
-    order.write_budget.CopyFrom(validation.duration(budget_s))
-    order.write_timeout.CopyFrom(validation.duration(write_timeout_s))
+    order.write_budget.CopyFrom(duration(budget_s))
+    order.write_timeout.CopyFrom(duration(write_timeout_s))
     if source:
         order.source.engine_id, order.source.incarnation, order.source.num_tokens = "prefill-t", "inc-1", first_token + num_tokens
     return order

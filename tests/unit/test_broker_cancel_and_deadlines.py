@@ -21,10 +21,10 @@ from broker_harness import (
 )
 
 from kvpush import errors
+from kvpush.clock import timestamp
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import timestamp
 
 # ----- cancel -----
 

@@ -20,10 +20,10 @@ from broker_harness import (
     seconds,
 )
 
+from kvpush.clock import timestamp
 from kvpush.errors import InvalidArgument
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.common.clock import timestamp
 
 # ----- engine loss -----
 

@@ -26,9 +26,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvpush import errors
+from kvpush.clock import timestamp
 from kvpush.errors import Reason
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import timestamp
 
 # ----- rendezvous -----
 

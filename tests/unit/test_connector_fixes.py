@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 
+from kvpush.clock import ManualClock, duration, timestamp
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
@@ -17,8 +18,6 @@ from kvpush.layout.plan import Plan
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common.clock import ManualClock, timestamp
-from kvpush.services.common.validation import duration
 
 
 class NoSpans:

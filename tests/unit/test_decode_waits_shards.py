@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from kvpush import shards
+from kvpush.clock import ManualClock
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.params import TransferParams
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common.clock import ManualClock
 
 TIMEOUT_S, HOLD_S = 10.0, 2.0
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from registrar_harness import SNAPSHOT_END, UPSERTED, events, expect
 
 from kvpush import errors
+from kvpush.clock import ManualClock
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import sample_engines as sample
-from kvpush.services.common.clock import ManualClock
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 

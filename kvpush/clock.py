@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
-from google.protobuf import timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 
 class Clock(Protocol):
@@ -54,3 +54,9 @@ def timestamp(epoch_seconds: float) -> timestamp_pb2.Timestamp:
     """A Timestamp proto for epoch seconds (at or after the epoch)."""
     seconds = int(epoch_seconds)
     return timestamp_pb2.Timestamp(seconds=seconds, nanos=int((epoch_seconds - seconds) * 1e9))
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    """A Duration proto for seconds (negative values become zero)."""
+    whole, nanos = divmod(int(seconds * 1e9), 1_000_000_000) if seconds > 0 else (0, 0)
+    return duration_pb2.Duration(seconds=whole, nanos=nanos)
