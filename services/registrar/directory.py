@@ -27,6 +27,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common.outbox import Outbox
 from kvpush.services.registrar import checks
 from kvpush.services.registrar.config import RegistrarConfig
+from kvpush.services.registrar.engine_message import engine_message
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,12 @@ class Rank:
 class EngineRecord:
     """One engine incarnation: what its first rank registered, its ranks, state and current snapshot."""
 
-    __slots__ = ("engine_id", "incarnation", "role", "tp_size", "pp_size", "compatibility_hash", "register_wall", "ranks", "state", "snapshot")
+    __slots__ = ("engine_id", "incarnation", "role", "tp_size", "pp_size", "compatibility_hash", "register_wall", "ranks", "state", "snapshot",
+                 "first_rank")
 
     def __init__(self, registered: reg_pb.RegisteredRank, compatibility_hash: str, register_wall: float):
         rank = registered.rank
+        self.first_rank = rank  # the engine-wide fields of its Engine message come from it
         self.engine_id = rank.engine_id
         self.incarnation = rank.incarnation
         self.role = rank.role
@@ -295,21 +298,10 @@ class Directory:
 
     def _refresh(self, record: EngineRecord) -> None:
         """Rebuilds the engine's shared snapshot (a new object, so identity caches notice)."""
-        engine = reg_pb.Engine(
-            engine_id=record.engine_id,
-            incarnation=record.incarnation,
-            role=record.role,
-            tp_size=record.tp_size,
-            pp_size=record.pp_size,
-            compatibility_hash=record.compatibility_hash,
-            state=record.state,
-            register_time=timestamp(record.register_wall),
-        )
-        for position in sorted(record.ranks):
-            rank = record.ranks[position]
+        for rank in record.ranks.values():
             rank.registered.expire_time.CopyFrom(timestamp(wall_at(self._clock, rank.expires)))
-            engine.ranks.append(rank.registered)
-        record.snapshot = engine
+        record.snapshot = engine_message(record.first_rank, record.compatibility_hash, record.register_wall, state=record.state,
+                                         ranks=[record.ranks[position].registered for position in sorted(record.ranks)])
 
     def _describe(self, record: EngineRecord) -> reg_pb.Engine:
         engine = reg_pb.Engine()

@@ -24,6 +24,7 @@ from kvpush.etcd.client import prefix_end
 from kvpush.etcd.v1 import etcd_pb2
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.registrar.directory import Position
+from kvpush.services.registrar.engine_message import engine_message
 
 _LEASE_NAME = re.compile(r"[0-9a-f]{1,16}")
 _LESS, _TARGET_MOD_REVISION = 2, 2  # etcd's Compare.result LESS and Compare.target MOD
@@ -70,17 +71,7 @@ def encode_rank(request: reg_pb.RegisterEngineRankRequest, ttl_s: float, registe
     """A rank key's value: the registration as an Engine of one rank."""
     rank = request.rank
     registered = reg_pb.RegisteredRank(rank=rank, nixl=request.nixl, layout=request.layout, expire_time=timestamp(register_wall + ttl_s))
-    engine = reg_pb.Engine(
-        engine_id=rank.engine_id,
-        incarnation=rank.incarnation,
-        role=rank.role,
-        tp_size=rank.tp_size,
-        pp_size=rank.pp_size,
-        compatibility_hash=request.compatibility_hash,
-        ranks=[registered],
-        register_time=timestamp(register_wall),
-    )
-    return engine.SerializeToString()
+    return engine_message(rank, request.compatibility_hash, register_wall, ranks=[registered]).SerializeToString()
 
 
 def decode_rank(value: bytes) -> tuple[reg_pb.Engine, float, float]:
