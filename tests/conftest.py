@@ -18,6 +18,9 @@ import importlib.abc
 import sys
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 # What the fast tier never imports: the engine stack and the transfer library (and what only they pull in).
 HEAVY_MODULES = ("torch", "vllm", "nixl", "nixl_cu12", "nixl_cu13", "triton")
@@ -51,3 +54,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "tests/etcd/" in item.nodeid:
             item.add_marker(pytest.mark.etcd)
+
+
+@pytest.fixture
+def spans():
+    """(tracer provider, in-memory exporter): what a component under test records, read back by the test."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()

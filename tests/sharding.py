@@ -1,16 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Shared by the sharded-broker tests: transfer ids a given member owns, and waiting (bounded) for a condition."""
+"""Shared by the sharded-broker tests: transfer ids a given member owns."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 from kvpush import shards
-
-WAIT_S = 10.0  # the longest eventually() waits by default
 
 
 def owned(member: str, members: Collection[str], count: int = 1, prefix: str = "t") -> list[str]:
@@ -22,11 +18,3 @@ def owned(member: str, members: Collection[str], count: int = 1, prefix: str = "
 def owned_by(member: str, members: Collection[str], prefix: str = "t", skip: int = 0) -> str:
     """The transfer id after the first skip ones that member owns among members."""
     return owned(member, members, skip + 1, prefix)[-1]
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
-    """Polls condition until it holds; fails the test when it has not within timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)

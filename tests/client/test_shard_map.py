@@ -16,7 +16,7 @@ from kvpush.client import UNSHARDED, BrokerClient, ClientConfig, ShardedBrokerCl
 from kvpush.client.backoff import Backoff
 from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
-from tests.sharding import eventually
+from tests.waiting import eventually
 
 TRANSFERS = [f"xfer-{n}" for n in range(40)]
 WAIT_S = 5.0

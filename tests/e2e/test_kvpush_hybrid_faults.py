@@ -43,7 +43,7 @@ from kvpush.localstack.transfers import dispatch, get_transfer, new_transfer_id,
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.tinymodel import build_tiny_model, default_model_dir
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
-from tests.e2e.wait import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 

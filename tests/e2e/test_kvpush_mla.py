@@ -31,7 +31,7 @@ from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.telemetry.reader import read_spans
 from kvpush.tinymodel import build_tiny_model, default_model_dir
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers
-from tests.e2e.wait import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 

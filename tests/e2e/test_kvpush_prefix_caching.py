@@ -24,7 +24,7 @@ from kvpush.localstack.metrics import free_kv_blocks
 from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
-from tests.e2e.wait import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 

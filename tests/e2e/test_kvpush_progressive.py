@@ -24,7 +24,7 @@ from kvpush.localstack.prompts import control_prompt, prompt_token_ids
 from kvpush.localstack.transfers import cancel_transfer, dispatch, get_transfer, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.telemetry.reader import read_spans
-from tests.e2e.wait import wait_for
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.engine
 

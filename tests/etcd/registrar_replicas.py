@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -129,9 +128,3 @@ class Watch(Inbox):
         return self._messages.qsize()
 
 
-async def until(condition, timeout: float = WAIT_S) -> None:
-    """Polls an async condition until it holds."""
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.05)

@@ -18,7 +18,8 @@ from sharded_brokers import WAIT_S, deployment
 from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from tests.decode_session import decode_session
-from tests.sharding import eventually, owned_by
+from tests.sharding import owned_by
+from tests.waiting import eventually
 
 
 async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and_keep_their_blocks(tmp_path, etcd_cluster, etcd_prefix):
@@ -35,7 +36,7 @@ async def test_a_killed_members_waiting_requests_fail_with_broker_shard_lost_and
             assert [answers[t][1] for t in (t1, t2)] == [None, None]
             assert {answers[t][0].response.state for t in (t1, t2)} == {tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL}
             await plane.brokers["b2"].kill()
-            await eventually(lambda: session.members() == {"b1"}, timeout_s=WAIT_S)  # b2's lease lapsed; b1's map says so
+            await eventually(lambda: session.members() == {"b1"}, timeout=WAIT_S)  # b2's lease lapsed; b1's map says so
             await asyncio.sleep(0.1)
             drain()
             lost = waits.get(f"d-{t2}")
@@ -83,9 +84,9 @@ async def test_a_member_restarted_on_its_address_takes_reports_at_once_when_it_r
             await eventually(lambda: session.members() == both)
             await answered_in(owned_by("b2", both))
             await plane.brokers["b2"].kill()
-            await eventually(lambda: session.members() == {"b1"}, timeout_s=WAIT_S)
+            await eventually(lambda: session.members() == {"b1"}, timeout=WAIT_S)
             await plane.brokers["b2"].restart()
-            await eventually(lambda: session.members() == both, timeout_s=WAIT_S)
+            await eventually(lambda: session.members() == both, timeout=WAIT_S)
             caplog.clear()
             assert await answered_in(owned_by("b2", both, skip=1), rejoining=True) < 0.5
             assert [r.getMessage() for r in caplog.records if r.name == "kvpush.connector.report_stream"] == []

@@ -21,6 +21,7 @@ from kvpush.etcd.client import (
     op_put,
     prefix_end,
 )
+from tests.waiting import eventually
 
 WAIT_S = 10.0
 
@@ -30,11 +31,6 @@ async def next_batch(watch):
         return await anext(watch)
 
 
-async def wait_until(predicate, timeout_s: float = WAIT_S, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(poll_s)
 
 
 def test_prefix_end():
@@ -102,7 +98,7 @@ async def test_lease_keepalive_expiry_and_revoke(etcd, etcd_prefix):
     async def key_gone():
         return await etcd.get(etcd_prefix + b"a") is None
 
-    await wait_until(key_gone)
+    await eventually(key_gone)
     assert time.monotonic() - started < 5
     assert await etcd.time_to_live(lease) == -1
     assert await etcd.keep_alive_once(lease) <= 0
@@ -214,7 +210,7 @@ async def test_client_keeps_working_while_the_leader_is_killed(etcd_cluster, etc
 
     try:
         task = asyncio.create_task(writer())
-        await wait_until(lambda: asyncio.sleep(0, len(written) >= 20), poll_s=0.01)
+        await eventually(lambda: asyncio.sleep(0, len(written) >= 20), interval=0.01)
         etcd_cluster.kill(leader)
         async with asyncio.timeout(30):
             await task

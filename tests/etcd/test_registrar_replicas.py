@@ -7,11 +7,12 @@ import asyncio
 
 import grpc
 import pytest
-from registrar_replicas import REMOVED, UPSERTED, T, Watch, bearer, running_replica, until
+from registrar_replicas import REMOVED, UPSERTED, T, Watch, bearer, running_replica
 
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.directory import RemovalReason
+from tests.waiting import eventually
 
 PARTIAL, READY, GONE = reg_pb.ENGINE_STATE_PARTIAL, reg_pb.ENGINE_STATE_READY, reg_pb.ENGINE_STATE_GONE
 
@@ -50,7 +51,7 @@ async def test_registered_on_one_replica_read_and_watched_on_the_other(replicas)
             (UPSERTED, "decode-0", "inc-1", PARTIAL, RemovalReason.DEREGISTERED),
             (REMOVED, "decode-0", "inc-1", GONE, RemovalReason.DEREGISTERED),
         ]
-        await until(lambda: _gone(a, "decode-0"))
+        await eventually(lambda: _gone(a, "decode-0"))
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await b.stub.DeregisterEngineRank(request, metadata=bearer("decode-0"), timeout=T)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -148,7 +149,7 @@ async def test_replicas_racing_cannot_admit_conflicting_ranks(replicas):
         admitted = [r for r in results if not isinstance(r, BaseException)]
         assert len(admitted) == 1, results
         assert all(r.code() in (grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION) for r in results if isinstance(r, BaseException))
-        await until(lambda engine_id=engine_id, incarnation=incarnation: _ranks_are(b, engine_id, incarnation, 1))
+        await eventually(lambda engine_id=engine_id, incarnation=incarnation: _ranks_are(b, engine_id, incarnation, 1))
         assert len((await a.engine(engine_id)).ranks) == 1
 
 
@@ -190,7 +191,7 @@ async def test_a_mirror_whose_history_was_compacted_lists_again_and_reports_the_
     a, b = replicas
     kept = await a.register(sample.rank_request("decode-0", sample.DECODE))
     leaving = await a.register(sample.rank_request("prefill-0", sample.PREFILL))
-    await until(lambda: _ranks_are(b, "prefill-0", "inc-1", 1))
+    await eventually(lambda: _ranks_are(b, "prefill-0", "inc-1", 1))
     removed: list[tuple[str, str, str]] = []
     b.replica.directory.add_removal_listener(lambda *args: removed.append(args))
     # b stops following (as if its watch broke), a changes etcd, etcd compacts that history away.
@@ -202,7 +203,7 @@ async def test_a_mirror_whose_history_was_compacted_lists_again_and_reports_the_
     watch = await Watch(b).opened()
     b.follow()
     try:
-        await until(lambda: _ranks_are(b, "prefill-1", "inc-1", 1))
+        await eventually(lambda: _ranks_are(b, "prefill-1", "inc-1", 1))
         assert await b.engine("prefill-0") is None and b.replica.directory.lease_engine(kept.lease_id) == "decode-0"
         assert removed == [("prefill-0", "inc-1", RemovalReason.LEASE_EXPIRED)]  # its departure key went with the history
         await watch.take(2)  # the snapshot

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 
@@ -18,15 +17,11 @@ from kvpush.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.common import sample_engines as sample
+from tests.waiting import eventually
 
 TRANSFERS = [f"t{n}" for n in range(12)]
 
 
-async def until(condition, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def held_by(plane, member_id: str, transfer_id: str) -> bool:
@@ -54,7 +49,7 @@ async def test_the_sharded_client_reaches_each_owner_and_follows_a_member_that_d
             assert await held_by(plane, shards.owner("early", addresses), "early")
 
             assert await shard_map.wait_ready(WAIT_S)
-            await until(lambda: shard_map.members() == addresses)
+            await eventually(lambda: shard_map.members() == addresses)
             assert shard_map.sharded and shard_map.revision > 0
             for transfer_id in TRANSFERS:
                 answer = await client.register_destination(sample.destination_request(transfer_id))
@@ -65,11 +60,11 @@ async def test_the_sharded_client_reaches_each_owner_and_follows_a_member_that_d
             # b3 dies: its lease lapses, the map drops it, its transfers go to their next owners.
             b3_client = client.client_for(addresses["b3"])
             await plane.brokers["b3"].kill()
-            await until(lambda: "b3" not in shard_map.members(), LEASE_TTL_S + WAIT_S)
+            await eventually(lambda: "b3" not in shard_map.members(), LEASE_TTL_S + WAIT_S)
             remaining = {member_id: address for member_id, address in addresses.items() if member_id != "b3"}
             assert shard_map.members() == remaining
             assert changes[-1] == ({}, {"b3": addresses["b3"]})
-            await until(lambda: b3_client._channel is None)  # the client of a member that left is closed
+            await eventually(lambda: b3_client._channel is None)  # the client of a member that left is closed
             moved = next(t for t in (f"m{n}" for n in range(100)) if shards.owner(t, addresses) == "b3")
             answer = await client.register_destination(sample.destination_request(moved))
             assert answer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL
@@ -87,14 +82,14 @@ async def test_a_hung_first_member_is_left_for_another_at_once_and_dropped_when_
         shard_map = ShardMap(config, backoff=Backoff(0.02, 0.2))
         async with ShardedBrokerClient(config, shard_map=shard_map) as client:
             assert await shard_map.wait_ready(WAIT_S)
-            await until(lambda: shard_map.members() == addresses)
+            await eventually(lambda: shard_map.members() == addresses)
             hung = plane.brokers["b1"].process
             hung.signal(signal.SIGSTOP)
             try:
                 paused_at = time.monotonic()
-                await until(lambda: shard_map.followed != addresses["b1"], 3.0)
+                await eventually(lambda: shard_map.followed != addresses["b1"], 3.0)
                 left_after_s = time.monotonic() - paused_at
-                await until(lambda: "b1" not in shard_map.members(), LEASE_TTL_S + 3.0)
+                await eventually(lambda: "b1" not in shard_map.members(), LEASE_TTL_S + 3.0)
                 dropped_after_s = time.monotonic() - paused_at
                 # Silence is noticed in SILENT_HEARTBEATS intervals (1 s) and etcd drops a member 2-3 s after its last renewal.
                 assert left_after_s < 2.0 and dropped_after_s < LEASE_TTL_S + 2.0, (left_after_s, dropped_after_s)

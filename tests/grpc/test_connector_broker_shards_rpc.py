@@ -37,7 +37,8 @@ from kvpush.services.common.server import RunningServer, Service, build_server
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 from tests.decode_session import decode_session
-from tests.sharding import eventually, owned
+from tests.sharding import owned
+from tests.waiting import eventually
 
 FAST = BrokerConfig(stream_lease_s=0.5, write_timeout_s=0.2, fence_margin_s=0.1, max_clock_skew_s=0.05)
 
@@ -152,7 +153,7 @@ async def test_a_registration_a_member_keeps_refusing_gets_the_refusal_within_th
             members["b"].set_lease(False)
             sent = time.monotonic()
             register(t_b)
-            await eventually(lambda: t_b in answers, timeout_s=5.0)
+            await eventually(lambda: t_b in answers, timeout=5.0)
             error = answers[t_b][1]
             assert isinstance(error, errors.Unavailable) and error.reason == errors.Reason.BROKER_SHARD_LOST, error
             assert time.monotonic() - sent <= decode.session.config.rpc_timeout_s + 0.5

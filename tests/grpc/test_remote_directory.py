@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 from rpc_harness import WAIT_S, FakeEngine, bearer, running_control_plane
@@ -15,13 +14,7 @@ from kvpush.services.broker.remote_directory import RESYNC_REASON, RemoteEngineD
 from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.registrar.directory import RemovalReason
-
-
-async def until(condition, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+from tests.waiting import eventually
 
 
 async def test_the_mirror_follows_registrations_and_removals():
@@ -37,7 +30,7 @@ async def test_the_mirror_follows_registrations_and_removals():
                 assert directory.get_engine("prefill-0").state == reg_pb.ENGINE_STATE_READY
 
                 decode = await FakeEngine(channel, "decode-0", sample.DECODE, tp_size=2).register()
-                await until(
+                await eventually(
                     lambda: (
                         directory.get_engine("decode-0") is not None and directory.get_engine("decode-0").state == reg_pb.ENGINE_STATE_READY
                     )
@@ -46,7 +39,7 @@ async def test_the_mirror_follows_registrations_and_removals():
                 await decode.registrar.DeregisterEngineRank(
                     reg_pb.DeregisterEngineRankRequest(lease_id=decode.leases[1]), metadata=decode.metadata, timeout=WAIT_S
                 )
-                await until(lambda: removed)
+                await eventually(lambda: removed)
                 assert removed == [("decode-0", "inc-1", RemovalReason.DEREGISTERED)]
                 assert directory.get_engine("decode-0") is not before  # a new snapshot object
                 assert directory.get_engine("decode-0").state == reg_pb.ENGINE_STATE_PARTIAL

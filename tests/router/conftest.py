@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvpush.services import control_plane
 from kvpush.services.common.config import ServerConfig
@@ -36,9 +33,3 @@ async def plane():
                 await engine.close()
 
 
-@pytest.fixture
-def spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter

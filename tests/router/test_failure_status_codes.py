@@ -24,8 +24,8 @@ from tests.router.transfer_failure_harness import (
     router_under_test,
     serve,
     stop,
-    wait_until,
 )
+from tests.waiting import eventually
 
 # ---- what the client sees, per end reason ------------------------------------------------------
 
@@ -118,7 +118,7 @@ async def test_a_lost_decode_engine_is_retried_on_another_and_answers_only_if_re
     assert key_of(good) == (transfer_id, 2)
     assert (await plane.transfer(transfer_id, 1)).end_reason == tr_pb.END_REASON_DECODE_ENGINE_LOST
     assert (await plane.transfer(transfer_id, 2)).state == tr_pb.TRANSFER_STATE_DONE
-    await wait_until(lambda: lost.disconnected == 1)
+    await eventually(lambda: lost.disconnected == 1)
     assert lost.disconnected == 1, "the failed attempt's decode leg was closed"
 
 
@@ -142,7 +142,7 @@ async def test_a_broker_deadline_answers_504(plane, spans, reason):
     assert error["reason"] == reason and f"ended FAILED with {reason}" in error["message"] and "deadline passed" in error["message"]
     assert 1.0 <= elapsed < 1.5, "the broker's deadline, before the router's own (1 s + 0.5 s slack)"
     if reason == "PREFILL_DEADLINE_EXCEEDED":
-        await wait_until(lambda: decode.disconnected == 1)
+        await eventually(lambda: decode.disconnected == 1)
         assert decode.disconnected == 1, "the silent decode leg was closed"
 
 

@@ -27,8 +27,8 @@ from tests.router.transfer_failure_harness import (
     serve,
     stop,
     token_of,
-    wait_until,
 )
+from tests.waiting import eventually
 
 # ---- answering promptly ------------------------------------------------------------------------
 
@@ -39,7 +39,7 @@ async def test_the_transfer_deadline_guard_answers_504_and_closes_the_decode_leg
     try:
         async with router_under_test(plane.port, [prefill], [decode], spans[0], transfer_timeout_ms=1000, max_attempts=1) as router:
             status, body, elapsed = await router.post("/v1/completions", {**BODY, "stream": stream})
-            await wait_until(lambda: decode.disconnected == 1)
+            await eventually(lambda: decode.disconnected == 1)
     finally:
         await stop(prefill, decode)
     transfer_id, attempt = key_of(decode)
@@ -74,7 +74,7 @@ async def test_an_attempt_failing_at_the_broker_is_answered_while_the_decode_eng
     try:
         async with router_under_test(plane.port, [prefill], [decode], provider, transfer_timeout_ms=10_000) as router:
             status, body, elapsed = await router.post("/v1/completions", {**BODY, "stream": True})
-            await wait_until(lambda: decode.disconnected == 1)
+            await eventually(lambda: decode.disconnected == 1)
     finally:
         await stop(prefill, decode)
     error = error_of(body)

@@ -15,9 +15,6 @@ import json
 import time
 
 import pytest
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
 from kvpush.client import BrokerClient, ClientConfig
@@ -46,12 +43,6 @@ async def plane():
         yield started
 
 
-@pytest.fixture
-def spans():
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return provider, exporter
 
 
 def make_config(plane, prefills, decodes, **overrides) -> RouterConfig:

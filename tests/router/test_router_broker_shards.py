@@ -31,8 +31,8 @@ from tests.router.transfer_failure_harness import (
     router_under_test,
     serve,
     stop,
-    wait_until,
 )
+from tests.waiting import eventually
 
 WAIT_S = 5.0
 
@@ -57,12 +57,12 @@ async def lose_member_during_first_attempt(spans, **overrides):
             async with router_under_test(port_of(served["seed"].address), [prefill], [decode], spans[0], **overrides) as router:
                 assert await router.router.broker.shard_map.wait_ready(WAIT_S)
                 request = asyncio.create_task(router.post("/v1/completions", BODY))
-                await wait_until(lambda: len(decode.received) == 1)
+                await eventually(lambda: len(decode.received) == 1)
                 cluster.membership = {"m1": served["m1"].address}
                 await cluster.publish(cluster.membership, revision=2)
                 status, body, _ = await request
                 metrics = await router.metrics()
-                await wait_until(lambda: decode.disconnected == 1)
+                await eventually(lambda: decode.disconnected == 1)
         finally:
             await stop(prefill, decode)
     return status, body, metrics, decode, served
@@ -110,10 +110,10 @@ async def test_a_member_leaving_after_the_kv_arrived_changes_nothing(spans):
                 assert await router.router.broker.shard_map.wait_ready(WAIT_S)
                 request = asyncio.create_task(router.post("/v1/completions", BODY))
                 # The router has m0's DONE answer (its poll's span ended), not just m0 the call.
-                await wait_until(lambda: any(span.name == "kvpush.rpc/GetTransfer" for span in exporter.get_finished_spans()))
+                await eventually(lambda: any(span.name == "kvpush.rpc/GetTransfer" for span in exporter.get_finished_spans()))
                 cluster.membership = {"m1": served["m1"].address}
                 await cluster.publish(cluster.membership, revision=2)
-                await wait_until(lambda: router.router.broker.shard_map.revision == 2)
+                await eventually(lambda: router.router.broker.shard_map.revision == 2)
                 await asyncio.sleep(0.1)
                 release.set()
                 status, body, _ = await request
@@ -237,7 +237,7 @@ async def test_a_stalled_unsharded_broker_does_not_hold_up_the_answer_with_the_a
                 status, body, _ = await router.post("/v1/completions", BODY)
                 elapsed = loop.time() - started
                 transfer_id, _ = key_of(decode)
-                await wait_until(lambda: ("CancelTransfer", transfer_id) in broker.calls)
+                await eventually(lambda: ("CancelTransfer", transfer_id) in broker.calls)
                 answered_metrics = await router.metrics()
                 for _ in range(int((cancel_timeout_s + 2) / 0.05)):
                     metrics = await router.metrics()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -297,7 +296,3 @@ def key_of(engine: ScriptedEngine, index: int = 0) -> tuple[str, int]:
     return params["transfer_id"], params["attempt"]
 
 
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 
 import pytest
 
 from bench.tcp_proxy import TcpProxy
+from tests.waiting import wait_for
 
 TIMEOUT_S = 5.0
 
@@ -91,13 +91,6 @@ def roundtrip(sock: socket.socket, payload: bytes) -> bytes:
     return received
 
 
-def wait_until(predicate, timeout: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def closed_by_peer(sock: socket.socket) -> bool:
@@ -117,7 +110,7 @@ def test_bytes_pass_both_ways_unchanged(proxy):
     total = len(payload) + len(b"second message")
     assert proxy.stats.accepted == 1
     # The counters move just after each forwarded chunk: the last may still be on its way.
-    assert wait_until(lambda: proxy.stats.bytes_to_server == proxy.stats.bytes_to_client == total)
+    assert wait_for(lambda: proxy.stats.bytes_to_server == proxy.stats.bytes_to_client == total)
 
 
 def test_several_connections_are_independent(proxy):
@@ -125,11 +118,11 @@ def test_several_connections_are_independent(proxy):
     try:
         for i, sock in enumerate(socks):
             assert roundtrip(sock, f"connection {i}".encode()) == f"connection {i}".encode()
-        assert wait_until(lambda: proxy.connections() == 5)
+        assert wait_for(lambda: proxy.connections() == 5)
     finally:
         for sock in socks:
             sock.close()
-    assert wait_until(lambda: proxy.connections() == 0)
+    assert wait_for(lambda: proxy.connections() == 0)
 
 
 def test_half_close_is_passed_on(proxy, echo):
@@ -137,7 +130,7 @@ def test_half_close_is_passed_on(proxy, echo):
         assert roundtrip(sock, b"ping") == b"ping"
         sock.shutdown(socket.SHUT_WR)  # the echo server reads EOF and closes its side
         assert closed_by_peer(sock)
-    assert wait_until(lambda: echo.ended == 1)
+    assert wait_for(lambda: echo.ended == 1)
 
 
 def test_cut_closes_both_sides(proxy, echo):
@@ -145,7 +138,7 @@ def test_cut_closes_both_sides(proxy, echo):
         assert roundtrip(first, b"a") == b"a" and roundtrip(second, b"b") == b"b"
         assert proxy.cut() == 2
         assert closed_by_peer(first) and closed_by_peer(second)  # the client side ends
-        assert wait_until(lambda: echo.ended == 2)  # and so does the server side
+        assert wait_for(lambda: echo.ended == 2)  # and so does the server side
     assert proxy.stats.cut_connections == 2 and proxy.is_cut
 
 
@@ -186,7 +179,7 @@ def test_unreachable_server_resets_the_client():
         else:
             with sock:
                 assert closed_by_peer(sock)
-        assert wait_until(lambda: proxy.stats.upstream_failures == 1)
+        assert wait_for(lambda: proxy.stats.upstream_failures == 1)
 
 
 def test_close_ends_connections_and_listening(echo):
