@@ -25,7 +25,7 @@ from kvpush.layout import geometry, heads
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services.broker import attempts as a
 from kvpush.services.broker import checks, plans
-from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.arrivals import Arrivals
 from kvpush.services.broker.machine import AttemptMachine
 from kvpush.sim.simulation import Timing
 
@@ -54,7 +54,7 @@ def _lost_rank_fenced_at_once():
 
 def _aborted_registration_frees():
     """2. A retried registration of a superseded attempt got ABORTED, which the decode side read as "nothing held"."""
-    original_arrive = BrokerCore._arrive
+    original_arrive = Arrivals.arrive
     original_refused = DecodeWaits.registration_refused
 
     def arrive(self, side, request, caller, parent):
@@ -66,7 +66,7 @@ def _aborted_registration_frees():
     def refused(self, key, message, fenced):
         original_refused(self, key, message, True)
 
-    return patched((BrokerCore, "_arrive", arrive), (DecodeWaits, "registration_refused", refused))
+    return patched((Arrivals, "arrive", arrive), (DecodeWaits, "registration_refused", refused))
 
 
 def _early_order_skips_token_check():
