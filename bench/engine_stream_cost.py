@@ -42,7 +42,8 @@ from pathlib import Path
 
 import grpc
 
-from bench.broker_capacity import SERVER_CPU, _floor_server
+from bench.broker_capacity_ceilings import _floor_server
+from bench.broker_capacity_constants import SERVER_CPU
 from kvpush.client import BrokerClient, ClientConfig, LoopThread
 from kvpush.connector.report_stream import Report, ReportStream
 from kvpush.processes import name_os_thread, thread_cpu_seconds, thread_ids

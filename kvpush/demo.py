@@ -30,7 +30,8 @@ from kvpush.report.breakdown import breakdown
 from kvpush.report.render import html_report, text_table, write_png
 from kvpush.sse import DONE, sse_payloads_async
 from kvpush.telemetry import read_spans
-from kvpush.tinymodel import build_tiny_model, corpus, default_model_dir
+from kvpush.tinymodel import build_tiny_model, default_model_dir
+from kvpush.tinymodel.tokenizer import corpus
 
 REQUEST_ID_PREFIX = "demo-"
 # Prompt sizes in corpus sentences (about 12 tokens each): short, medium, long, longer.

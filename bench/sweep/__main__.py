@@ -20,7 +20,7 @@ from bench.sweep.report import report
 from bench.sweep.runner import run_sweep
 from kvpush.localstack.stack import MODES
 from kvpush.processes import parse_cpu_list
-from kvpush.tinymodel import ARCHITECTURES, DEFAULT_ARCHITECTURE
+from kvpush.tinymodel.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE
 
 
 def _numbers(kind):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.broker_capacity import transport_floor
+from bench.broker_capacity_ceilings import transport_floor
 
 
 def test_the_bare_server_answers_every_message_and_its_cpu_is_counted():
