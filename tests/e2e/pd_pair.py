@@ -18,12 +18,13 @@ MAX_TOKENS = 6
 
 @contextlib.contextmanager
 def pd_pair(tmp_path: Path, model_dir: Path, engine_ids: tuple[str, str], prefill_args: Sequence[str] = (),
-            decode_args: Sequence[str] = ()) -> Iterator[tuple]:
-    """(control plane, P, D): P on core 0, D on core 1, each with its own extra engine arguments; all stopped afterwards."""
+            decode_args: Sequence[str] = (), **connector_settings: object) -> Iterator[tuple]:
+    """(control plane, P, D): P on core 0, D on core 1, each with its own extra engine arguments and both with the connector
+    settings given (kv_connector_extra_config); all stopped afterwards."""
     control_plane = start_control_plane(tmp_path / "control-plane", engine_ids=engine_ids)
     servers = []
     try:
-        servers = start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane),
+        servers = start_vllm_servers([dict(name=role, kv_transfer_config=kvpush_transfer_config(role, engine_id, control_plane, **connector_settings),
                                            extra_args=list(args), cpu_list=cpu, log_path=tmp_path / f"{role}.log")
                                       for role, engine_id, args, cpu in (("prefill", engine_ids[0], prefill_args, "0"),
                                                                          ("decode", engine_ids[1], decode_args, "1"))], model_dir)

@@ -20,7 +20,8 @@ import pytest
 from kvpush.layout.geometry import window_first_token
 from kvpush.localstack.engines import reference_run
 from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.tinymodel import GEMMA3_SLIDING_WINDOW, build_tiny_model, default_model_dir
+from kvpush.tinymodel import build_tiny_model, default_model_dir
+from kvpush.tinymodel.architectures import GEMMA3_SLIDING_WINDOW
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 
 pytestmark = pytest.mark.engine
@@ -51,11 +52,13 @@ def expected_bytes(prompt_len: int, whole_pages: bool) -> tuple[int, int]:
     return end * LAYER_BYTES_PER_TOKEN, (end - window) * LAYER_BYTES_PER_TOKEN
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (1, 2), (2, 1)], ids=["P-tp1_to_D-tp1", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1"])
-def test_the_full_group_moves_whole_and_the_sliding_group_its_window(tmp_path, hybrid_model, reference, p_tp, d_tp):
+@pytest.mark.parametrize("p_tp, d_tp, progressive", [(1, 1, "off"), (1, 2, "off"), (2, 1, "off"), (1, 2, "on")],
+                         ids=["P-tp1_to_D-tp1", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1", "P-tp1_to_D-tp2-layer-by-layer"])
+def test_the_full_group_moves_whole_and_the_sliding_group_its_window(tmp_path, hybrid_model, reference, p_tp, d_tp, progressive):
     prompts, expected = reference
     ids = ("prefill-h", "decode-h")
-    with pd_pair(tmp_path, hybrid_model, ids, ["--tensor-parallel-size", str(p_tp)], ["--tensor-parallel-size", str(d_tp)]) as (cp, prefill, decode):
+    with pd_pair(tmp_path, hybrid_model, ids, ["--tensor-parallel-size", str(p_tp)], ["--tensor-parallel-size", str(d_tp)],
+                 progressive_push=progressive) as (cp, prefill, decode):
         sliding_bytes = []
         for prompt, transfer in checked_transfers(cp, prefill, decode, ids, prompts, expected, both_orders_at=2):
             full, sliding = expected_bytes(len(prompt), whole_pages=p_tp == d_tp)
@@ -82,9 +85,10 @@ def mamba_reference(tmp_path_factory, mamba_model):
     return prompts, reference_run(mamba_model, prompts, MAX_TOKENS, log_path=tmp_path_factory.mktemp("ref") / "reference.log")
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 1), (2, 2), (1, 2), (2, 1)],
-                         ids=["P-tp1_to_D-tp1", "P-tp2_to_D-tp2", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1"])
-def test_the_mamba_state_after_all_but_the_last_token_moves_with_the_attention_blocks(tmp_path, mamba_model, mamba_reference, p_tp, d_tp):
+@pytest.mark.parametrize("p_tp, d_tp, progressive", [(1, 1, "off"), (2, 2, "off"), (1, 2, "off"), (2, 1, "off"), (2, 1, "on")],
+                         ids=["P-tp1_to_D-tp1", "P-tp2_to_D-tp2", "P-tp1_to_D-tp2", "P-tp2_to_D-tp1", "P-tp2_to_D-tp1-layer-by-layer"])
+def test_the_mamba_state_after_all_but_the_last_token_moves_with_the_attention_blocks(tmp_path, mamba_model, mamba_reference, p_tp, d_tp,
+                                                                                       progressive):
     """P stops one token short (a state cannot be stepped back) and writes its state and the attention KV; D computes the last token.
 
     Between TP sizes the states are cut the way vLLM cuts them (the conv
@@ -93,8 +97,8 @@ def test_the_mamba_state_after_all_but_the_last_token_moves_with_the_attention_b
     """
     prompts, expected = mamba_reference
     ids = ("prefill-m", "decode-m")
-    with pd_pair(tmp_path, mamba_model, ids, ["--tensor-parallel-size", str(p_tp)], ["--tensor-parallel-size", str(d_tp)]) as (
-            control_plane, prefill, decode):
+    with pd_pair(tmp_path, mamba_model, ids, ["--tensor-parallel-size", str(p_tp)], ["--tensor-parallel-size", str(d_tp)],
+                 progressive_push=progressive) as (control_plane, prefill, decode):
         for prompt, transfer in checked_transfers(control_plane, prefill, decode, ids, prompts, expected, both_orders_at=1):
             # The attention layer's first N - 1 tokens (whole blocks where both sides split heads alike), and all of the state.
             tokens = -(-(len(prompt) - 1) // BLOCK_SIZE) * BLOCK_SIZE if p_tp == d_tp else len(prompt) - 1
