@@ -3,13 +3,14 @@
 
 ProducerCore is deterministic: it reads time only from its Clock and talks
 to NIXL only through a Transport, so the protocol simulation
-(kvpush.sim) drives the very same code the worker runs. Producer wraps it
-in the worker's transfer thread.
+(kvpush.sim) drives the very same code the worker runs. Producer
+(producer_thread.py) runs it on the worker's transfer thread.
 
 The core is the state machine: it takes sources, orders, revocations,
 closures and engine events, keeps one job per (transfer_id, attempt), and
 answers for each. Its WRITEs are posted by Posting (posting.py, where the
-self-fencing checks are). A posted WRITE still in flight write_timeout
+self-fencing checks are); its decode peers' agents are loaded and unloaded
+by DecodePeers (decode_peers.py). A posted WRITE still in flight write_timeout
 later is aborted (its handle released before this thread's next progress
 call) and reported FAILED: that it can land no later rests on assumption A2
 (docs/design.md, "Fencing"). A rank's answer to a revocation is the truth:
@@ -25,14 +26,13 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvpush.clock import Clock
+from kvpush.connector.decode_peers import DecodePeers
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.connector.notification import due_notification
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer_records import FAILED, REVOKED, WRITTEN, Computing, Job, Key, Order, Source
-from kvpush.connector.transfer_thread import TransferThread
-from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan, device_of, page_table_of
-from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, WritePlan
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 
@@ -59,7 +59,7 @@ class Transport(Protocol):
     def notifications(self) -> dict[str, list[bytes]]: ...
 
 
-class ProducerCore(Posting):
+class ProducerCore(Posting, DecodePeers):
     """One prefill rank's transfer state machine (single-threaded)."""
 
     def __init__(
@@ -287,66 +287,6 @@ class ProducerCore(Posting):
             except Exception as exc:  # a hint: the WRITE itself does not depend on it
                 logger.debug("kvpush producer: due notification of %s to %s not sent: %s", key, rank.agent, exc)
 
-    def engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
-        engine = event.engine
-        peer = self._peers.get(engine.engine_id)
-        if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED or (peer is not None and peer.incarnation != engine.incarnation):
-            if peer is not None:
-                del self._peers[engine.engine_id]
-                for computing in self._computing.values():
-                    if computing.made is not None and computing.made.peer is peer:
-                        self._discard_made(computing)  # freed before the peer's agent is unloaded
-                for rank in peer.ranks.values():
-                    self._retire(rank)
-            if event.type == reg_pb.ENGINE_EVENT_TYPE_REMOVED:
-                return
-            peer = None
-        if peer is None:
-            peer = self._peers[engine.engine_id] = Peer(engine.incarnation, {})
-        for registered in engine.ranks:
-            tp = registered.rank.tp_rank
-            if tp in peer.ranks:
-                continue
-            returning = self._unretire(registered.nixl.agent_name)
-            if returning is not None:
-                peer.ranks[tp] = returning
-                continue
-            name = self.transport.add_peer(registered.nixl.agent_metadata)
-            self.transport.warm_up(name)
-            peer.ranks[tp] = self._prepare(PeerRank(name, registered.layout))
-        for key in list(self._orders):
-            self._try_start(key)
-
-    def _retire(self, rank: PeerRank) -> None:
-        """Unloads a peer rank's agent once no WRITE to it is in flight (step() does it)."""
-        self._retiring.append(rank)
-
-    def _unretire(self, agent: str) -> PeerRank | None:
-        """A retiring rank whose agent came back before it was unloaded (its lease lapsed, then it registered again).
-
-        The agent is still loaded: it stays, with its prepared page table;
-        unloading it now would leave the engine's new entry without one.
-        """
-        rank = next((r for r in self._retiring if r.agent == agent), None)
-        if rank is not None:
-            self._retiring.remove(rank)
-        return rank
-
-    def _prepare(self, rank: PeerRank) -> PeerRank:
-        """Prepares the peer rank's page table (and this rank's, once) when both sides have one: WRITEs then post by index."""
-        if self.local.pages is None:
-            return rank
-        rank.pages = page_table_of(rank.layout, self.local.layers)  # a stage writes its layers of the peer's
-        if rank.pages is None:
-            return rank
-        try:
-            if self._local_prepared is None:
-                self._local_prepared = self.transport.prepare_pages(None, self.local.pages.rows(self.local.device))
-            rank.prepared = self.transport.prepare_pages(rank.agent, rank.pages.rows(device_of(rank.layout)))
-        except Exception:  # WRITEs to this rank build descriptor lists per request instead
-            logger.exception("kvpush producer: preparing the page table of %s failed", rank.agent)
-        return rank
-
     def take_released(self) -> tuple[set[str], dict[str, tuple[int, SourceReady]]]:
         """Released sources by req_id, and of those the ones released after a WRITE (completion ns, source)."""
         with self._released_lock:
@@ -376,13 +316,7 @@ class ProducerCore(Posting):
                 self._stop_parts(job, "a NIXL WRITE completed with an error")
             if "PROC" not in states and not job.more_parts:
                 self._finish(key, job, job.failed)
-        if self._retiring:
-            in_use = {w.peer for job in self._jobs.values() for w in job.writes}
-            for rank in [r for r in self._retiring if r.agent not in in_use]:
-                if rank.prepared is not None:
-                    self.transport.forget_pages(rank.prepared)
-                self.transport.remove_peer(rank.agent)
-                self._retiring.remove(rank)
+        self._unload_retired()
         if not self._jobs:
             self.transport.notifications()  # progresses connection setup with decode agents
         announcing = [k for k, c in self._computing.items() if not c.announced and k in self._orders]
@@ -452,61 +386,4 @@ class ProducerCore(Posting):
 
     def _wall_ns(self) -> int:
         return int(self.clock.wall() * 1e9)
-
-
-class Producer:
-    """A prefill worker's transfer thread around its ProducerCore; the engine thread only hands work over."""
-
-    def __init__(self, core: ProducerCore, poll_interval_s: float, idle_poll_s: float):
-        self.core = core
-        self.ready = threading.Event()  # set when a source was released
-        core.on_release = self.ready.set
-        self._thread = TransferThread(f"kvpush-producer-{core.local.producer}", core, poll_interval_s, idle_poll_s)
-        self._streams = 0
-        self._member_streams: dict[str, int] = {}  # broker member -> its current stream (control loop only)
-
-    def source_ready(self, ready: SourceReady, ready_event=None) -> None:
-        """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
-        self._thread.put(("source", ready, ready_event))
-
-    def computing(self, ready: SourceReady, whole: bool = False, announce_at: float | None = None) -> None:
-        """This source's forward starts now: layer-progressive push follows its layers; whole: its WRITE is made ahead, posted at the end.
-
-        announce_at: when (time.monotonic) its decode ranks are told the WRITE is due; None: at once.
-        """
-        self._thread.put(("computing", ready, whole, announce_at))
-
-    def layer_done(self, keys: tuple[Key, ...], layer: int, event=None) -> None:
-        """Layer-progressive push: `layer` of these sources is computed (event: recorded after it, on GPU)."""
-        self._thread.put(("layer", keys, layer, event))
-
-    def open_stream(self, member: str = "") -> Callable[[rv_pb.StreamWriteOrdersResponse], None]:
-        """A new order stream from a broker member: returns the callback for its messages (messages of the member's older streams are ignored)."""
-        self._streams += 1
-        stream = self._member_streams[member] = self._streams
-        self._thread.put(("stream_opened", stream, member))
-        return lambda message: self._thread.put(("stream", stream, message))
-
-    def stream_lost(self, member: str = "") -> None:
-        stream = self._member_streams.pop(member, None)
-        if stream is not None:
-            self._thread.put(("stream_lost", stream))
-
-    def on_engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
-        self._thread.put(("engine", event))
-
-    def take_finished(self) -> set[str]:
-        """Released sources; the `p.completion` span runs from the WRITE's completion to this hand-back."""
-        self.ready.clear()  # before taking: a release racing with us sets it again
-        done, written = self.core.take_released()
-        now_ns = int(self.core.clock.wall() * 1e9)
-        for written_ns, ready in written.values():
-            self.core.spans.emit("p.completion", written_ns, now_ns, ready)
-        return done
-
-    def has_work(self) -> bool:
-        return self.core.holds_sources
-
-    def stop(self) -> None:
-        self._thread.stop()
 

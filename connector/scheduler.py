@@ -32,13 +32,12 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWait, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
-from kvpush.connector.kv_layout import sliding_window_of
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.params import ParamError, TransferParams, parse
 from kvpush.connector.report_routing import ReportRouter
 from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans
-from kvpush.layout.geometry import window_first_token
+from kvpush.connector.window_blocks import add_destination_blocks, window_blocks_to_hold, windows_given_back
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 
 logger = logging.getLogger(__name__)
@@ -175,15 +174,7 @@ class DecodeScheduler(_Scheduler):
         destination = registration.destination
         destination.engine_id, destination.incarnation = self.config.engine_id, self.incarnation
         destination.first_token, destination.num_tokens = first_token, num_tokens
-        end_token = first_token + num_tokens
-        for group, spec_group in enumerate(self.kv_cache_config.kv_cache_groups):
-            block_size = spec_group.kv_cache_spec.block_size
-            # A sliding-window group needs only the window its first decode step reads (vLLM keeps no block before it).
-            group_first = window_first_token(first_token, end_token, block_size, sliding_window_of(spec_group.kv_cache_spec))
-            start = group_first // block_size
-            count = -(-end_token // block_size) - start
-            destination.blocks.add(group_index=group, block_ids=table[group][start : start + count],
-                                   first_token=group_first if group_first > first_token else 0)
+        add_destination_blocks(destination, self.kv_cache_config.kv_cache_groups, table, first_token, first_token + num_tokens)
         remaining = wait.deadline - time.monotonic()
         registration.timeout.CopyFrom(duration(remaining))
         # The deadline itself, so neither a resend nor transit time can let the broker extend it.
@@ -363,36 +354,11 @@ class PrefillScheduler(_Scheduler):
         return meta
 
     def _hold_windows(self, track: PrefillTrack) -> None:
-        """Holds the blocks of the windows D may ask for that vLLM gives back when the request finishes.
-
-        D's first decode step computes the prompt's last token N - 1 and
-        reads the window's keys from N - W on; vLLM frees a finished
-        request's blocks wholly before N - W + 1 (the next token's window).
-        When N - W ends a block, that block would be reused while a WRITE
-        reads it: a reference keeps it until every rank has sent.
-        """
-        n = track.request.num_prompt_tokens
-        blocks = None
-        holds = []
-        for group, spec_group in enumerate(self.kv_cache_config.kv_cache_groups):
-            window, block_size = sliding_window_of(spec_group.kv_cache_spec), spec_group.kv_cache_spec.block_size
-            first = max(n - window, 0) // block_size
-            freed = max(n - window + 1, 0) // block_size
-            if window and first < freed:
-                blocks = blocks or self.kv_cache_manager.get_blocks(track.request.request_id).blocks
-                holds += [b for b in blocks[group][first:freed] if not b.is_null]
+        """Holds the blocks of the windows D may ask for that vLLM gives back when the request finishes, until every rank has sent."""
+        holds = window_blocks_to_hold(self.kv_cache_config.kv_cache_groups, self.kv_cache_manager, track.request)
         if holds:
             self.kv_cache_manager.block_pool.touch(holds)
             track.window_holds = tuple(holds)
-
-    def _windows_gone(self, block_ids: tuple[list[int], ...], num_tokens: int) -> list[int]:
-        """The sliding-window groups whose window vLLM already gave back (a request that went on past its prompt)."""
-        gone = []
-        for group, spec_group in enumerate(self.kv_cache_config.kv_cache_groups):
-            window, block_size = sliding_window_of(spec_group.kv_cache_spec), spec_group.kv_cache_spec.block_size
-            if window and 0 in block_ids[group][max(num_tokens - window, 0) // block_size : -(-(num_tokens - 1) // block_size)]:
-                gone.append(group)  # vLLM's null block (id 0) stands where a block was given back
-        return gone
 
     def _hand_over(self, track: PrefillTrack, block_ids: tuple[list[int], ...]) -> None:
         request, params = track.request, track.params
@@ -429,7 +395,7 @@ class PrefillScheduler(_Scheduler):
             return False, None
         if not track.handed_over:
             finished_ok = request.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
-            gone = self._windows_gone(block_ids, request.num_prompt_tokens) if finished_ok else []
+            gone = windows_given_back(self.kv_cache_config.kv_cache_groups, block_ids, request.num_prompt_tokens) if finished_ok else []
             if gone:
                 logger.error("kvpush: request %s went on past its prompt and vLLM gave back the sliding windows of KV cache groups %s: "
                              "nothing to transfer (send prefill legs with max_tokens 1)", req_id, gone)

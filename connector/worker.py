@@ -27,7 +27,8 @@ from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout, mamba2_state_tensors, sliding_window_of
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
 from kvpush.connector.nixl_agent import KvAgent, MemoryRange
-from kvpush.connector.producer import Producer, ProducerCore
+from kvpush.connector.producer import ProducerCore
+from kvpush.connector.producer_thread import Producer
 from kvpush.connector.report_routing import ReportRouter
 from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans

@@ -110,3 +110,17 @@ def test_the_service_cores_import_no_grpc_even_through_what_they_import():
             for imported in imported_names(path):
                 (todo.append if module_path(imported) else external.add)(imported)
         assert not {e for e in external if e.partition(".")[0] == "grpc"}, f"{core} reaches grpc: {sorted(e for e in external if e.startswith('grpc'))}"
+
+
+MAX_MODULE_LINES = 450
+
+
+def test_no_hand_written_module_is_over_450_lines():
+    """Small modules with one job each: past this, a module holds more than one (generated protobuf code aside)."""
+    found = []
+    for folder in ("kvpush", "services", "connector", "bench", "tests", "scripts"):
+        for path in sorted(REPO_ROOT.joinpath(folder).rglob("*.py")):
+            lines = len(path.read_text().splitlines())
+            if lines > MAX_MODULE_LINES and "_pb2" not in path.name:
+                found.append(f"{path.relative_to(REPO_ROOT)}: {lines}")
+    assert not found, found

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from kvpush.clock import timestamp
 from kvpush.connector import write_plans
 from kvpush.connector.consumer import ConsumerCore, Receive
+from kvpush.connector.decode_peers import DecodePeers
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
@@ -120,7 +121,7 @@ def _no_write_timeout():
 
 def _peer_unloaded_in_flight():
     """5b. A decode engine's NIXL agent was unloaded while WRITEs to it were in flight."""
-    return patched((ProducerCore, "_retire", lambda self, rank: self.transport.remove_peer(rank.agent)))
+    return patched((DecodePeers, "_retire", lambda self, rank: self.transport.remove_peer(rank.agent)))
 
 
 def _decode_key_collision():
@@ -182,7 +183,7 @@ def _abort_counted_from_first_part():
 
 def _returning_agent_unloaded():
     """A1. A decode rank whose agent came back (lease lapsed, registered again) before P unloaded it was unloaded under its new entry."""
-    return patched((ProducerCore, "_unretire", lambda self, agent: None))
+    return patched((DecodePeers, "_unretire", lambda self, agent: None))
 
 
 def _lease_doubt_fences_at_once():

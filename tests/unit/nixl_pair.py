@@ -25,7 +25,8 @@ from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import DestinationReady, SourceReady, packed_prompt, prompt_digest
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.nixl_agent import KvAgent, NixlWrite
-from kvpush.connector.producer import Producer, ProducerCore
+from kvpush.connector.producer import ProducerCore
+from kvpush.connector.producer_thread import Producer
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout, build_write_plans
 from kvpush.engine.v1 import engine_pb2

@@ -11,7 +11,8 @@ from kvpush.clock import ManualClock, duration, timestamp
 from kvpush.connector.consumer import Consumer, ConsumerCore
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
-from kvpush.connector.producer import Producer, ProducerCore
+from kvpush.connector.producer import ProducerCore
+from kvpush.connector.producer_thread import Producer
 from kvpush.connector.write_plans import LocalLayout, WritePlan
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout.plan import Plan
