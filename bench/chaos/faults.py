@@ -207,6 +207,27 @@ class Chaos:
         rejoin = self._probe_owned(member, members, resumed, "rejoin")
         return {"member": member, "pause_s": self.settings.pause_s, "failover": failover, "rejoin": rejoin}
 
+    def fault_leader_shard_kill(self) -> dict:
+        """kill -9 of etcd's leader and of broker shard 1 at once: the shard's lease can only lapse once a new etcd leader
+        reigns (it renews every lease when it takes over); how long until the shard's transfers succeed again."""
+        plane = self.stack.scaled
+        etcd = plane.etcd
+        leader = _etcd_leader(etcd.endpoints)
+        index = 1
+        member = plane.member_id(index)
+        members = [plane.member_id(i) for i in range(len(plane.brokers))]
+        killed = time.monotonic()
+        etcd.kill(leader)
+        plane.kill_broker(index)
+        self.log(f"killed etcd leader (member {leader}) and broker shard {member} with SIGKILL")
+        failover = self._probe_owned(member, members, killed, "failover")
+        time.sleep(max(0.0, self.settings.part_down_s - (time.monotonic() - killed)))
+        etcd.restart(leader)
+        plane.restart_broker(index)
+        self.log(f"etcd member {leader} and broker shard {member} restarted")
+        rejoin = self._probe_owned(member, members, time.monotonic(), "rejoin")
+        return {"member": member, "etcd_leader": leader, "failover": failover, "rejoin": rejoin}
+
     def fault_etcd_kill(self) -> dict:
         etcd = self.stack.scaled.etcd
         index = 0
@@ -414,6 +435,24 @@ def _broker_record(stack: Stack, transfer_id: str) -> dict[str, Any]:
         return asyncio.run(fetch())
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def _etcd_leader(endpoints: Sequence[str]) -> int:
+    """The index of the etcd member the others follow."""
+    from kvpush.etcd.client import EtcdClient
+
+    async def ask() -> int:
+        client = EtcdClient(list(endpoints))
+        try:
+            for index, endpoint in enumerate(endpoints):
+                status = await client.status(endpoint)
+                if status.leader and status.member_id == status.leader:
+                    return index
+        finally:
+            await client.close()
+        raise RuntimeError("no etcd member is the leader")
+
+    return asyncio.run(ask())
 
 
 def _owned_transfer_id(member: str, members: Sequence[str]) -> str:

@@ -43,7 +43,7 @@ def verdict(faults: list[dict[str, Any]], soak_checks: dict[str, Any] | None) ->
 
 
 # The scaled-out control plane's failover targets: a dead member's transfers move within FAILOVER_TARGET_S, a hung one's
-# (it stays in etcd until its lease lapses, 2 s) within PAUSE_FAILOVER_TARGET_S.
+# (it stays in etcd until its lease lapses, 2 s), or one killed with etcd's leader, within PAUSE_FAILOVER_TARGET_S.
 FAILOVER_TARGET_S = 2.0
 PAUSE_FAILOVER_TARGET_S = 3.0
 # The router's reasons that name the attempt's broker member: it left the map, another owns the transfer, or it did not
@@ -62,6 +62,10 @@ def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:
             # Probes go straight to D, whose HTTP error carries no reason: only the router's failures are checked here.
             targets["shard-kill: every routed failure names the lost shard"] = all(any(reason in name for reason in SHARD_LOSS_REASONS) for name in failed)
             targets["shard-kill: the restarted shard serves its transfers again"] = f["notes"]["rejoin"]["seconds"] is not None
+        elif f["fault"] == "leader-shard-kill":
+            seconds = f["notes"]["failover"]["seconds"]
+            targets[f"leader-shard-kill: its transfers succeed again <= {PAUSE_FAILOVER_TARGET_S:g} s after the kill"] = (
+                seconds is not None and seconds <= PAUSE_FAILOVER_TARGET_S)
         elif f["fault"] == "shard-pause":
             seconds = f["notes"]["failover"]["seconds"]
             targets[f"shard-pause: its transfers succeed again <= {PAUSE_FAILOVER_TARGET_S:g} s after the pause"] = (
@@ -116,9 +120,9 @@ def format_report(result: dict[str, Any]) -> str:
                          + "(" + ", ".join(f"{k} x{v}" for k, v in f["direct"]["failures_by_reason"].items()) + f"), hung {f['direct']['hung']}, "
                          f"wrong {f['direct']['wrong']}")
     for f in result["faults"]:
-        if f["fault"] in ("shard-kill", "shard-pause"):
+        if f["fault"] in ("shard-kill", "shard-pause", "leader-shard-kill"):
             fo, rj = f["notes"]["failover"], f["notes"]["rejoin"]
-            what, back = ("kill", "its restart") if f["fault"] == "shard-kill" else ("pause", "it resumed")
+            what, back = ("pause", "it resumed") if f["fault"] == "shard-pause" else ("kill", "its restart")
             lines.append(f"{f['fault']} ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the {what} ({fo['probes']} probes, "
                          f"failed {fo['failed_by_reason'] or 'none'}); after {back} {rj['seconds']} s ({rj['probes']} probes, "
                          f"failed {rj['failed_by_reason'] or 'none'})")

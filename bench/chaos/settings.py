@@ -34,12 +34,13 @@ FAULTS: dict[str, str] = {
     # The scaled-out control plane's faults (settings.scaled):
     "shard-pause": "SIGSTOP of the broker shard every client follows first, past its lease; probes owned by it until one succeeds; SIGCONT",
     "shard-kill": "kill -9 of one broker shard; probes owned by it until one succeeds; the shard restarted (it rejoins)",
+    "leader-shard-kill": "kill -9 of etcd's leader and one broker shard at once; probes owned by the shard until one succeeds; both restarted",
     "etcd-kill": "kill -9 of one etcd member, restarted after a while",
     "registrar-kill": "kill -9 of one registrar replica, restarted after a while",
 }
 # Faults that need the embedded control plane (its process, P's proxy) or the scaled one.
 EMBEDDED_ONLY = ("cp-kill", "proxy-cut")
-SCALED_ONLY = ("shard-pause", "shard-kill", "etcd-kill", "registrar-kill")
+SCALED_ONLY = ("shard-pause", "shard-kill", "leader-shard-kill", "etcd-kill", "registrar-kill")
 FAILOVER_ORDER = ("shard-pause", "shard-kill", "etcd-kill", "registrar-kill")
 LONG_ORDER = ("p-kill", "d-kill", "cp-kill", "p-stop", "proxy-cut", "disconnects", "collide")
 # The CI form: the cheap faults first, the one that restarts an engine last (its restart is the longest step).
