@@ -13,7 +13,7 @@ were measured:
 * --rendezvous-us 300: server CPU per rendezvous over the engines'
   EngineReports streams (RegisterDestination + ReportPrefillDone in, one
   write order out), 293-305 us at the top of `bench/broker_capacity.py
-  --transport streams` (docs/benchmarks.md, "Rendezvous per second over
+  --transport streams` (bench/results/LOG.md, "Rendezvous per second over
   EngineReports vs unary calls", 2026-12-01; unary calls: 791-835 us, pass
   --rendezvous-us 800 for them). --item-us (default a third of it) is each
   further stream item a transfer brings: an order to each other producer

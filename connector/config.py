@@ -108,7 +108,7 @@ class ConnectorConfig(Settings):
         help="NIXL's own progress thread (C++, no GIL), sleeping on the UCX worker's events and waking at least every this many ms; "
         '0: none (UCX progresses only when kvpush\'s transfer thread polls); "auto" (default): for a KV cache in host memory 100 on a '
         'prefill engine and 5 on a decode engine, '
-        "0 for one in GPU memory (measured: docs/benchmarks.md, docs/gpu-datapath.md)",
+        "0 for one in GPU memory (measured: bench/results/LOG.md, docs/gpu-datapath.md)",
     )
     idle_poll_ms: float = setting(
         250.0, convert=float, positive=True, help="NIXL progress interval while nothing is expected (each wake-up takes the GIL from the forward)"

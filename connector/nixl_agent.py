@@ -65,7 +65,7 @@ def _nixl_agent(name: str, backends: list[str], progress_thread_ms: int):
         return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=backends))
     # With a progress thread UCX locks its worker for every call. Its default lock spins, and a
     # thread spinning for a lock held by a thread the same core has descheduled stalls WRITE posts
-    # by milliseconds (measured, docs/benchmarks.md); a mutex sleeps instead. UCX reads this when
+    # by milliseconds (measured, bench/results/LOG.md); a mutex sleeps instead. UCX reads this when
     # its library loads: before the first agent of the process, unless the operator chose.
     os.environ.setdefault("UCX_USE_MT_MUTEX", "y")
     from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t, nixlBind

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 TRANSFER_FORMAT = "kvpush1"
 # nixl_progress_thread_ms "auto" for a KV cache in host memory, by role. UCX's events wake the thread whatever its delay,
 # so the delay sets how often an idle engine pays for a wake-up (~15-20 us each here): a prefill engine's WRITEs complete
-# on those events alone, while a decode engine's notifications arrived later with 100 ms (docs/benchmarks.md).
+# on those events alone, while a decode engine's notifications arrived later with 100 ms (bench/results/LOG.md).
 AUTO_PROGRESS_THREAD_MS = {"prefill": 100, "decode": 5}
 AUTO_WAITING_POLL_MS = 5  # waiting_poll_ms "auto" for a KV cache in host memory
 # The KV cache specs kvpush moves (vLLM's class names; MLAAttentionSpec subclasses FullAttentionSpec, so by exact name).

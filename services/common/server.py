@@ -154,7 +154,7 @@ def announce(name: str, config: ServerConfig, port: int, metrics_port: int | Non
 # broker holds every attempt of its retention window (60 s: at 1,000
 # rendezvous/s ~1 million objects), so each one paused the control plane
 # 0.4-1 s on this machine, several times a minute, past any deadline it
-# answers in (docs/benchmarks.md, "The control plane's garbage
+# answers in (bench/results/LOG.md, "The control plane's garbage
 # collector"). A serving process freezes its heap every FREEZE_EVERY_S, so a
 # collection walks only what is younger. A frozen object is still freed when
 # its last reference goes (reference counting); only a reference cycle that
