@@ -168,9 +168,9 @@ class ShardMap:
         """The address to follow after `leaving`: the next member's in the map (in address order), the seed when none."""
         if not self.sharded:
             return self.seed_target
-        candidates = sorted({a for a in self._members.values() if a != leaving} | {self.seed_target} - {leaving}) or [self.seed_target]
-        later = [a for a in candidates if a > leaving]
-        return (later or candidates)[0]
+        others = sorted(set(self._members.values()) | {self.seed_target})
+        others = [address for address in others if address != leaving] or [self.seed_target]
+        return next((address for address in others if address > leaving), others[0])
 
     def _client(self) -> BrokerClient:
         if self._followed == self.seed_target:

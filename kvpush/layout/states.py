@@ -33,12 +33,13 @@ def splittable(group: engine_pb2.KvCacheGroup) -> bool:
 def signature(group: engine_pb2.KvCacheGroup) -> str:
     """What P and D of any TP sizes must share about a state group's split: every state's dtype size, segments and
     the dimensions that do not split."""
-    return "; ".join(
-        f"{t.element_bytes}B split {t.split_dim} of "
-        + "x".join("*" if i == t.split_dim else str(d) for i, d in enumerate(t.shape))
-        + " as " + ",".join(f"{s.units}x{s.unit_size}" for s in t.segments)
-        for t in group.state_tensors
-    )
+    return "; ".join(tensor_signature(t) for t in group.state_tensors)
+
+
+def tensor_signature(tensor: engine_pb2.StateTensor) -> str:
+    """One state's dtype size, unsplit dimensions and segments (its split dimension as "*")."""
+    shape = "x".join("*" if i == tensor.split_dim else str(d) for i, d in enumerate(tensor.shape))
+    return f"{tensor.element_bytes}B split {tensor.split_dim} of {shape} as " + ",".join(f"{s.units}x{s.unit_size}" for s in tensor.segments)
 
 
 def segment_routes(segment: engine_pb2.StateSegment, p_tp: int, d_tp: int) -> list[heads.HeadRoute]:
@@ -62,7 +63,7 @@ def runs(src: engine_pb2.StateTensor, dst: engine_pb2.StateTensor, p_rank: int, 
     if (k != dst.split_dim or src.element_bytes != dst.element_bytes or len(src.shape) != len(dst.shape)
             or [(s.units, s.unit_size) for s in src.segments] != [(s.units, s.unit_size) for s in dst.segments]
             or any(a != b for i, (a, b) in enumerate(zip(src.shape, dst.shape)) if i != k)):
-        raise ValueError(f"the states differ in more than their split: {signature_of(src)} here, {signature_of(dst)} at the peer")
+        raise ValueError(f"the states differ in more than their split: {tensor_signature(src)} here, {tensor_signature(dst)} at the peer")
     outer = prod(src.shape[:k])
     inner = prod(src.shape[k + 1:]) * src.element_bytes
     out: list[Run] = []
@@ -82,7 +83,7 @@ def runs(src: engine_pb2.StateTensor, dst: engine_pb2.StateTensor, p_rank: int, 
         src_base += mine.num_heads * segment.unit_size
         dst_base += theirs.num_heads * segment.unit_size
     if src_base != src.shape[k] or dst_base != dst.shape[k]:
-        raise ValueError(f"the segments {signature_of(src)} do not tile this rank's split dimension ({src.shape[k]} here, "
+        raise ValueError(f"the segments {tensor_signature(src)} do not tile this rank's split dimension ({src.shape[k]} here, "
                          f"{dst.shape[k]} at the peer)")
     return out
 
@@ -93,8 +94,3 @@ def group_runs(src: engine_pb2.KvCacheGroup, dst: engine_pb2.KvCacheGroup, p_ran
         raise ValueError(f"group {src.group_index} has {len(src.state_tensors)} states here and {len(dst.state_tensors)} at the peer")
     return [run for a, b in zip(src.state_tensors, dst.state_tensors) for run in runs(a, b, p_rank, p_tp, d_rank, d_tp)]
 
-
-def signature_of(tensor: engine_pb2.StateTensor) -> str:
-    group = engine_pb2.KvCacheGroup()
-    group.state_tensors.append(tensor)
-    return signature(group)
