@@ -207,7 +207,9 @@ async def test_every_replica_down_for_five_seconds_expires_no_engine_and_fails_n
                 stop.set()
                 renewed = await asyncio.gather(*renewers)
             assert unknown == [] and all(renewed), (unknown, renewed)
-            engines = (await stub.ListEngines(reg_pb.ListEnginesRequest(), metadata=bearer("router"), timeout=T)).engines
+            # Read through a restarted replica's own channel: the shared one may still be backing off from the outage.
+            restarted = reg_grpc.RegistrarServiceStub(replicas[0].channel)
+            engines = (await restarted.ListEngines(reg_pb.ListEnginesRequest(), metadata=bearer("router"), timeout=T)).engines
             assert ("prefill-0", READY) in [(e.engine_id, e.state) for e in engines]
             transfer = (await rendezvous.GetTransfer(rv_pb.GetTransferRequest(transfer_id="t0", attempt=1), metadata=bearer("router"), timeout=T)).transfer
             assert transfer.state == tr_pb.TRANSFER_STATE_WAITING_FOR_PREFILL, transfer
