@@ -6,10 +6,12 @@ Starts the local stack on a scaled-out control plane (a 3-member etcd
 cluster, 2 registrar replicas, 3 broker shards; kvpush.localstack.scaled)
 with a P and a D vLLM engine and the router, then, under steady load through
 the router, stops one broker shard with SIGSTOP for longer than its lease
-(a hung member: the first address of every client's broker target), kills
-with SIGKILL one broker shard (for each, measuring how long until transfers
-it owned succeed again, probing with transfer ids that hash to it), one
-etcd member and one registrar replica, each restarted after a while.
+(a hung member: the first address of every client's broker target), cuts
+that member off from the engines and router (not etcd) and then from etcd
+(not the engines) through TCP proxies, kills with SIGKILL one broker shard
+(for each, measuring how long until transfers it owned succeed again,
+probing with transfer ids that hash to it), one etcd member, one registrar
+replica and then every registrar replica, each restarted after a while.
 Every answer is checked against a single engine's tokens; after each fault
 every KV block must be free again. It is bench.chaos with the scaled-out
 faults: the same report, plus the failover targets.
@@ -35,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pre", type=float, default=10.0, help="seconds of load before each fault")
     parser.add_argument("--post", type=float, default=10.0, help="seconds of load after the router serves again")
     parser.add_argument("--down", type=float, default=3.0, help="seconds a killed part stays dead before its restart")
-    parser.add_argument("--pause", type=float, default=6.0, help="seconds a paused (SIGSTOP) broker member stays stopped")
+    parser.add_argument("--pause", type=float, default=6.0, help="seconds a paused (SIGSTOP) or cut-off broker member stays so")
+    parser.add_argument("--registrar-outage", type=float, default=5.0, help="seconds no registrar replica runs (registrars-down)")
     parser.add_argument("--shard-lease-ttl", type=int, default=2, help="broker members' etcd lease TTL (seconds)")
     parser.add_argument("--run-dir", type=Path, help="where logs and result.json go (default runs/chaos-<timestamp>)")
     parser.add_argument("--model-dir", type=Path, help="the tiny model (built if missing)")
@@ -43,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = dataclasses.replace(
         short_settings(), scaled=True, faults=fault_list(args.faults), clients=args.clients, timeout_ms=args.timeout_ms,
-        pre_s=args.pre, post_s=args.post, part_down_s=args.down, pause_s=args.pause, shard_lease_ttl_s=args.shard_lease_ttl, run_dir=args.run_dir,
+        pre_s=args.pre, post_s=args.post, part_down_s=args.down, pause_s=args.pause, registrar_outage_s=args.registrar_outage, shard_lease_ttl_s=args.shard_lease_ttl, run_dir=args.run_dir,
         model_dir=args.model_dir,
     )
     return run_and_report(settings, args.json, "failover")

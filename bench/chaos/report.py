@@ -49,6 +49,13 @@ PAUSE_FAILOVER_TARGET_S = 3.0
 # The router's reasons that name the attempt's broker member: it left the map, another owns the transfer, or it did not
 # answer and had not left the map by the request's deadline (etcd had not revoked its lease yet).
 SHARD_LOSS_REASONS = (BROKER_SHARD_LOST, BROKER_SHARD_MOVED, BROKER_MEMBER_UNREACHABLE)
+# The faults that lose one broker shard, and how the report names the fault and its undoing.
+SHARD_FAULT_WORDS = {
+    "shard-kill": ("kill", "its restart"), "leader-shard-kill": ("kill", "its restart"), "shard-pause": ("pause", "it resumed"),
+    "shard-cut-engines": ("cut", "the heal"), "shard-cut-etcd": ("cut", "the heal"),
+}
+# A member that hangs or is cut off rather than dies.
+GRAY_FAULTS = ("shard-pause", "shard-cut-engines", "shard-cut-etcd")
 
 
 def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:
@@ -66,13 +73,13 @@ def failover_targets(faults: list[dict[str, Any]]) -> dict[str, bool]:
             seconds = f["notes"]["failover"]["seconds"]
             targets[f"leader-shard-kill: its transfers succeed again <= {PAUSE_FAILOVER_TARGET_S:g} s after the kill"] = (
                 seconds is not None and seconds <= PAUSE_FAILOVER_TARGET_S)
-        elif f["fault"] == "shard-pause":
-            seconds = f["notes"]["failover"]["seconds"]
-            targets[f"shard-pause: its transfers succeed again <= {PAUSE_FAILOVER_TARGET_S:g} s after the pause"] = (
+        elif f["fault"] in GRAY_FAULTS:
+            seconds, (what, back) = f["notes"]["failover"]["seconds"], SHARD_FAULT_WORDS[f["fault"]]
+            targets[f"{f['fault']}: its transfers succeed again <= {PAUSE_FAILOVER_TARGET_S:g} s after the {what}"] = (
                 seconds is not None and seconds <= PAUSE_FAILOVER_TARGET_S)
-            targets["shard-pause: every routed failure names the paused shard"] = all(any(reason in name for reason in SHARD_LOSS_REASONS) for name in failed)
-            targets["shard-pause: the resumed shard serves its transfers again"] = f["notes"]["rejoin"]["seconds"] is not None
-        elif f["fault"] in ("etcd-kill", "registrar-kill"):
+            targets[f"{f['fault']}: every routed failure names the shard"] = all(any(reason in name for reason in SHARD_LOSS_REASONS) for name in failed)
+            targets[f"{f['fault']}: the shard serves its transfers again after {back}"] = f["notes"]["rejoin"]["seconds"] is not None
+        elif f["fault"] in ("etcd-kill", "registrar-kill", "registrars-down"):
             targets[f"{f['fault']}: no request fails"] = f["routed"]["failed"] == 0 and f["direct"]["failed"] == 0
     return targets
 
@@ -120,9 +127,9 @@ def format_report(result: dict[str, Any]) -> str:
                          + "(" + ", ".join(f"{k} x{v}" for k, v in f["direct"]["failures_by_reason"].items()) + f"), hung {f['direct']['hung']}, "
                          f"wrong {f['direct']['wrong']}")
     for f in result["faults"]:
-        if f["fault"] in ("shard-kill", "shard-pause", "leader-shard-kill"):
+        if f["fault"] in SHARD_FAULT_WORDS:
             fo, rj = f["notes"]["failover"], f["notes"]["rejoin"]
-            what, back = ("pause", "it resumed") if f["fault"] == "shard-pause" else ("kill", "its restart")
+            what, back = SHARD_FAULT_WORDS[f["fault"]]
             lines.append(f"{f['fault']} ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the {what} ({fo['probes']} probes, "
                          f"failed {fo['failed_by_reason'] or 'none'}); after {back} {rj['seconds']} s ({rj['probes']} probes, "
                          f"failed {rj['failed_by_reason'] or 'none'})")

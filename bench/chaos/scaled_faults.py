@@ -16,7 +16,7 @@ import signal
 import time
 from collections.abc import Sequence
 
-from bench.chaos.settings import DECODE_ID, HANG_SLACK_S, HOLD_MARGIN_S, PREFILL_ID, PROMPT_LENGTHS
+from bench.chaos.settings import DECODE_ID, HANG_SLACK_S, HOLD_MARGIN_S, PARTITIONED_MEMBER, PREFILL_ID, PROMPT_LENGTHS
 from kvpush.localstack.completions import Completion, HttpError
 from kvpush.localstack.transfers import Dispatch, dispatch, new_transfer_id
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -78,6 +78,34 @@ class ScaledFaults:
         rejoin = self._probe_owned(member, members, resumed, "rejoin")
         return {"member": member, "pause_s": self.settings.pause_s, "failover": failover, "rejoin": rejoin}
 
+    def fault_shard_cut_engines(self) -> dict:
+        """The partitioned member cut off from engines and router but not from etcd, for pause_s: it keeps its lease, so it must
+        step out of the map by itself (no engine stream reaches it while they reach the others); then the path healed."""
+        return self._partition(PARTITIONED_MEMBER, [PARTITIONED_MEMBER], "engines and router")
+
+    def fault_shard_cut_etcd(self) -> dict:
+        """The partitioned member cut off from every etcd member but not from the engines, for pause_s: it stops serving once
+        unsure of its lease, and etcd drops it a lease ttl later; then the path healed."""
+        return self._partition(PARTITIONED_MEMBER, [path for path in self.stack.fronts if path.startswith(f"{PARTITIONED_MEMBER}->etcd-")], "etcd")
+
+    def _partition(self, member: str, paths: Sequence[str], cut_from: str) -> dict:
+        plane = self.stack.scaled
+        members = [plane.member_id(i) for i in range(len(plane.brokers))]
+        proxies = [self.stack.fronts[path] for path in paths]
+        cut = time.monotonic()
+        connections = sum(proxy.cut() for proxy in proxies)
+        self.log(f"cut broker shard {member} off from {cut_from} ({connections} connections) for {self.settings.pause_s:g} s")
+        try:
+            failover = self._probe_owned(member, members, cut, "failover")
+            time.sleep(max(0.0, self.settings.pause_s - (time.monotonic() - cut)))
+        finally:
+            for proxy in proxies:
+                proxy.heal()
+        healed = time.monotonic()
+        self.log(f"broker shard {member}'s path to {cut_from} healed")
+        rejoin = self._probe_owned(member, members, healed, "rejoin")
+        return {"member": member, "cut_from": cut_from, "cut_s": self.settings.pause_s, "failover": failover, "rejoin": rejoin}
+
     def fault_leader_shard_kill(self) -> dict:
         """kill -9 of etcd's leader and of broker shard 1 at once: the shard's lease can only lapse once a new etcd leader
         reigns (it renews every lease when it takes over); how long until the shard's transfers succeed again."""
@@ -119,6 +147,20 @@ class ScaledFaults:
         plane.restart_registrar(index)
         self.log(f"registrar replica {index} restarted (pid {plane.registrars[index].process.pid})")
         return {"replica": index, "killed_pid": old_pid, "down_s": self.settings.part_down_s}
+
+    def fault_registrars_down(self) -> dict:
+        """Every registrar replica killed for registrar_outage_s: engines keep their ranks (their etcd leases outlast the
+        outage) and brokers keep their engine mirrors, so nothing may fail; then all restarted."""
+        plane = self.stack.scaled
+        pids = [part.process.pid for part in plane.registrars if part.process is not None]
+        for index in range(len(plane.registrars)):
+            plane.kill_registrar(index)
+        self.log(f"killed every registrar replica (pids {pids}) with SIGKILL for {self.settings.registrar_outage_s:g} s")
+        time.sleep(self.settings.registrar_outage_s)
+        for index in range(len(plane.registrars)):
+            plane.restart_registrar(index)
+        self.log("registrar replicas restarted")
+        return {"replicas": len(pids), "killed_pids": pids, "down_s": self.settings.registrar_outage_s}
 
     def _probe_owned(self, member: str, members: Sequence[str], since: float, label: str) -> dict:
         """Transfers owned by member (under `members`), straight to P and D, one started every PROBE_INTERVAL_S until one succeeds.

@@ -37,11 +37,17 @@ FAULTS: dict[str, str] = {
     "leader-shard-kill": "kill -9 of etcd's leader and one broker shard at once; probes owned by the shard until one succeeds; both restarted",
     "etcd-kill": "kill -9 of one etcd member, restarted after a while",
     "registrar-kill": "kill -9 of one registrar replica, restarted after a while",
+    "registrars-down": "kill -9 of every registrar replica for registrar_outage_s (inside the engines' outage grace), then all restarted",
+    "shard-cut-engines": "the broker shard every client follows first cut off from engines and router (not etcd); probes owned by it; healed",
+    "shard-cut-etcd": "the broker shard every client follows first cut off from etcd (not the engines); probes owned by it; healed",
 }
 # Faults that need the embedded control plane (its process, P's proxy) or the scaled one.
 EMBEDDED_ONLY = ("cp-kill", "proxy-cut")
-SCALED_ONLY = ("shard-pause", "shard-kill", "leader-shard-kill", "etcd-kill", "registrar-kill")
-FAILOVER_ORDER = ("shard-pause", "shard-kill", "etcd-kill", "registrar-kill")
+SCALED_ONLY = ("shard-pause", "shard-kill", "leader-shard-kill", "etcd-kill", "registrar-kill", "registrars-down", "shard-cut-engines", "shard-cut-etcd")
+# Partition faults run through proxies in front of one broker member (the first of every client's broker target).
+PARTITION_FAULTS = ("shard-cut-engines", "shard-cut-etcd")
+PARTITIONED_MEMBER = "broker-0"
+FAILOVER_ORDER = ("shard-pause", "shard-cut-engines", "shard-cut-etcd", "shard-kill", "etcd-kill", "registrar-kill", "registrars-down")
 LONG_ORDER = ("p-kill", "d-kill", "cp-kill", "p-stop", "proxy-cut", "disconnects", "collide")
 # The CI form: the cheap faults first, the one that restarts an engine last (its restart is the longest step).
 SHORT_ORDER = ("disconnects", "collide", "proxy-cut", "p-stop", "cp-kill", "p-kill")
@@ -71,7 +77,8 @@ class Settings:
     shards: int = 3
     shard_lease_ttl_s: float = 2.0
     part_down_s: float = 3.0  # etcd-kill / registrar-kill / shard-kill: how long the part stays dead before its restart
-    pause_s: float = 6.0  # shard-pause: how long the member stays stopped (longer than its lease)
+    pause_s: float = 6.0  # shard-pause / shard-cut-*: how long the member stays stopped or cut off (longer than its lease)
+    registrar_outage_s: float = 5.0  # registrars-down: how long no registrar replica runs
     run_dir: Path | None = None
     model_dir: Path | None = None
 

@@ -21,6 +21,8 @@ from bench.chaos.settings import (
     DECODE_ID,
     HOLD_MARGIN_S,
     MAX_TOKENS,
+    PARTITION_FAULTS,
+    PARTITIONED_MEMBER,
     PREFILL_ID,
     PROMPT_LENGTHS,
     ROLES,
@@ -36,7 +38,7 @@ from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks, scrape_metr
 from kvpush.localstack.process import free_port
 from kvpush.localstack.prompts import prompt_token_ids
 from kvpush.localstack.router import RouterHandle, start_router
-from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec
+from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec, direct
 
 ENGINE_START_TIMEOUT_S = 240.0
 
@@ -54,6 +56,8 @@ class Stack:
         self.cp: ControlPlaneHandle | None = None
         self.scaled: ScaledControlPlane | None = None
         self.proxy: TcpProxy | None = None
+        # The partition faults' proxies in front of one broker member, by path (kvpush.localstack.scaled.Front).
+        self.fronts: dict[str, TcpProxy] = {}
         self.engines: dict[str, ServerHandle] = {}
         self.ports: dict[str, int] = {}
         self.router: RouterHandle | None = None
@@ -74,7 +78,9 @@ class Stack:
     def start(self) -> None:
         if self.settings.scaled:
             spec = ScaledSpec(brokers=self.settings.shards, shard_lease_ttl_s=self.settings.shard_lease_ttl_s)
-            self.scaled = ScaledControlPlane(self.cp_dir, spec, engine_ids=(PREFILL_ID, DECODE_ID, SOAK_PREFILL_ID, SOAK_DECODE_ID))
+            partitions = any(fault in PARTITION_FAULTS for fault in self.settings.faults)
+            self.scaled = ScaledControlPlane(self.cp_dir, spec, engine_ids=(PREFILL_ID, DECODE_ID, SOAK_PREFILL_ID, SOAK_DECODE_ID),
+                                             front=self._front if partitions else direct)
             self.scaled.start()
             self.log(f"scaled control plane: etcd {self.scaled.etcd.endpoints}, registrars {self.scaled.registrar_target}, "
                      f"brokers {self.scaled.broker_target}")
@@ -108,6 +114,14 @@ class Stack:
             self.kv_total[role] = num_kv_blocks(handle.url)
         self.kv_baseline = self.kv_free()
         self.log(f"KV blocks free at start: {self.kv_baseline} of {self.kv_total}")
+
+    def _front(self, path: str, address: str) -> str:
+        """A proxy on each path to and from the partitioned broker member (only those: the proxies cost CPU on every message)."""
+        if path.partition("->")[0] != PARTITIONED_MEMBER:
+            return address
+        host, port = address.rsplit(":", 1)
+        proxy = self.fronts[path] = TcpProxy((host, int(port))).start()
+        return proxy.address
 
     @property
     def broker_address(self) -> str:
@@ -158,6 +172,8 @@ class Stack:
             steps.append(("scaled control plane", self.scaled.stop))
         if self.proxy is not None:
             steps.append(("proxy", self.proxy.close))
+        for path, proxy in self.fronts.items():
+            steps.append((f"proxy {path}", proxy.close))
         for name, step in steps:
             try:
                 step()

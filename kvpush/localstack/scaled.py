@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from kvpush.etcd.cluster import EtcdCluster
@@ -43,18 +43,29 @@ class ScaledSpec:
             raise ValueError("a scaled control plane needs at least one etcd member, one registrar and one broker")
 
 
+# front(path, address) -> the address to dial address at over that path (a fault injector's proxy), or address itself.
+# Paths: "<member_id>" (engines and the router to a broker member), "<member_id>->etcd-<k>" (that member to etcd member k).
+Front = Callable[[str, str], str]
+
+
+def direct(path: str, address: str) -> str:
+    return address
+
+
 @dataclasses.dataclass
 class _Part:
-    """One registrar replica or broker member: its command, its fixed port and its running process (None while down)."""
+    """One registrar replica or broker member: its command, its fixed port, its running process (None while down)
+    and where others reach it (its own address unless a front stands before it)."""
 
     name: str
     port: int
     argv: list[str]
     process: GroupProcess | None = None
+    reached_at: str = ""
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return self.reached_at or f"127.0.0.1:{self.port}"
 
 
 def multi_target(addresses: Iterable[str]) -> str:
@@ -66,8 +77,9 @@ class ScaledControlPlane(TokenFiles):
     """etcd members, registrar replicas and broker shards under work_dir; `start()`, `stop()`, kill/restart per part."""
 
     def __init__(self, work_dir: Path, spec: ScaledSpec = ScaledSpec(), *, engine_ids: Sequence[str] = DEFAULT_ENGINE_IDS,
-                 env: Mapping[str, str | None] | None = None):
+                 env: Mapping[str, str | None] | None = None, front: Front = direct):
         self.work_dir = work_dir
+        self.front = front
         self.spec = spec
         self.env = dict(env or {})
         self.tokens_dir = work_dir / "tokens"
@@ -120,12 +132,14 @@ class ScaledControlPlane(TokenFiles):
         for part in self.registrars:
             self._run(part)
         for index in range(self.spec.brokers):
-            port = free_port()
-            self.brokers.append(_Part(self.member_id(index), port, [
+            port, member = free_port(), self.member_id(index)
+            reached_at = self.front(member, f"127.0.0.1:{port}")
+            its_etcd = ",".join(self.front(f"{member}->etcd-{k}", endpoint) for k, endpoint in enumerate(self.etcd.endpoints))
+            self.brokers.append(_Part(member, port, [
                 sys.executable, "-m", "kvpush.cli", "broker", "--listen", f"127.0.0.1:{port}", "--tokens-dir", str(self.tokens_dir),
-                "--registrar", self.registrar_target, "--etcd", etcd, "--member-id", self.member_id(index),
-                "--advertise", f"127.0.0.1:{port}", "--shard-lease-ttl", f"{self.spec.shard_lease_ttl_s:g}", *self.spec.broker_args,
-            ]))
+                "--registrar", self.registrar_target, "--etcd", its_etcd, "--member-id", member,
+                "--advertise", reached_at, "--shard-lease-ttl", f"{self.spec.shard_lease_ttl_s:g}", *self.spec.broker_args,
+            ], reached_at=reached_at))
         for part in self.brokers:
             self._run(part)
 

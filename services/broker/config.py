@@ -86,6 +86,13 @@ class ShardMembership(Settings):
     lease_ttl_s: int = setting(
         2, flag="--shard-lease-ttl", env="KVPUSH_SHARD_LEASE_TTL_S", convert=int, at_least=1, help="seconds of the member's etcd lease"
     )
+    # engine_silence_s: how long a member no engine reaches (while another
+    # member is reached) keeps its transfers before it steps out of the map
+    # (services/broker/engine_reach.py); every engine streams to every member.
+    engine_silence_s: float = setting(
+        1.0, flag="--engine-silence", env="KVPUSH_BROKER_ENGINE_SILENCE_S", convert=float, at_least=0,
+        help="seconds without any engine stream, while another member has some, before this member steps out of the map (0: never)",
+    )
 
     def check_on_etcd(self, listen: str) -> None:
         """What a broker on etcd needs: a valid --member-id, and an address to advertise (a wildcard --listen needs --advertise)."""

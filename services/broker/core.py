@@ -305,6 +305,10 @@ class BrokerCore:
         """The stream of subscription ended (nothing more reaches its subscriber through it)."""
         subscription.mailbox.release(subscription, self._clock.now())
 
+    def engine_streams(self) -> int:
+        """How many engine streams (producer ranks' and decode engines') are attached now."""
+        return self._mailboxes.attached_streams()
+
     def heartbeat(self) -> rv_pb.StreamWriteOrdersResponse:
         """A message that renews a producer's stream lease (the servicer sends it on quiet streams)."""
         return self._messages.heartbeat()

@@ -172,6 +172,10 @@ class Mailboxes:
             mailbox = self._decoders[key] = DecodeMailbox(key, now, RESYNC_EVENTS)
         return mailbox
 
+    def attached_streams(self) -> int:
+        """How many producer ranks and decode engines have a stream attached now."""
+        return sum(m.subscriber is not None for m in (*self._producers.values(), *self._decoders.values()))
+
     def check_open(self) -> None:
         if self._closed:
             raise Unavailable("the broker is shutting down", reason=Reason.UNAVAILABLE)

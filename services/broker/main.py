@@ -18,6 +18,7 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
 from kvpush.services.broker.config import BrokerConfig, ShardMembership, UpstreamRegistrar
 from kvpush.services.broker.core import BrokerCore
+from kvpush.services.broker.engine_reach import EngineReach
 from kvpush.services.broker.etcd_membership import EtcdMembership
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.broker.remote_directory import RemoteEngineDirectory
@@ -46,6 +47,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 # How often the health status is checked against serving() even without a change heard (a lease can lapse unannounced).
 HEALTH_RECHECK_S = 0.5
+# How often a sharded member looks at its engine streams (a quarter of the silence bound when that is shorter).
+REACH_CHECK_S = 0.25
 
 
 def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Channel:
@@ -87,6 +90,20 @@ async def _follow_health(running: RunningServer, directory: RemoteEngineDirector
                 await changed.wait()
 
 
+async def _step_down_when_cut_off(broker: BrokerCore, membership: EtcdMembership, silence_s: float) -> None:
+    """Steps the member out of the map while no engine reaches it but engines reach another member."""
+    loop = asyncio.get_running_loop()
+    reach = EngineReach(silence_s, loop.time())
+    while True:
+        await asyncio.sleep(min(silence_s / 4, REACH_CHECK_S))
+        now = loop.time()
+        streams = broker.engine_streams()
+        reach.observe(streams=streams, serving=membership.serving(), now=now)
+        membership.set_engines_attached(reach.attached(now))
+        if reach.cut_off(now=now, peers_attached=membership.peers_attached()):
+            membership.step_down(reach.next_hold_off(), f"no engine stream for {silence_s:.1f}s while engines reach other members")
+
+
 async def serve(
     server_config: ServerConfig, broker_config: BrokerConfig, tokens: IdentityTokens | None, registrar: UpstreamRegistrar,
     etcd_settings: EtcdSettings,
@@ -119,6 +136,8 @@ async def serve(
     if membership is not None:
         membership.address = shards.address(server_config.listen, running.port)
         background.append(membership.run())
+        if shards.engine_silence_s:
+            background.append(_step_down_when_cut_off(broker, membership, shards.engine_silence_s))
         # A stopping member leaves the map first (at once, not a lease ttl later), so callers go to the new owners;
         # its live attempts end BROKER_SHARD_LOST while their streams are still open.
         before_stop.insert(0, membership.close)

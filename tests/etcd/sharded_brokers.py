@@ -55,20 +55,23 @@ class Deployment:
         for engine_id, role in (("prefill-0", sample.PREFILL), ("decode-0", sample.DECODE)):
             await stub.RegisterEngineRank(sample.rank_request(engine_id, role), metadata=self.bearer(engine_id), timeout=T)
 
-    def broker_service(self, member_id: str) -> KvpushProcess:
+    def broker_service(self, member_id: str, *args: str) -> KvpushProcess:
+        """A member; `--engine-silence 0` unless args set it, since these tests open engine streams to some members only."""
+        silence = () if "--engine-silence" in args else ("--engine-silence", "0")
         return KvpushProcess(
             self.workdir, member_id, "broker",
             "--tokens-dir", str(self.tokens_dir), "--registrar", self.registrar.address,
             "--etcd", self.etcd, "--etcd-prefix", self.prefix, "--member-id", member_id, "--shard-lease-ttl", str(LEASE_TTL_S),
+            *silence, *args,
         )
 
-    async def start_brokers(self, *member_ids: str) -> None:
+    async def start_brokers(self, *member_ids: str, args: dict[str, tuple[str, ...]] | None = None) -> None:
         """Starts the members at once and waits until every one serves and every running member's map lists them all.
 
         A member serves once its own key is in its map; the others' keys reach it through its etcd watch a
-        moment later, and until then it takes itself for the owner of their transfers too.
+        moment later, and until then it takes itself for the owner of their transfers too. args: extra flags by member.
         """
-        services = [self.broker_service(member_id) for member_id in member_ids]
+        services = [self.broker_service(member_id, *(args or {}).get(member_id, ())) for member_id in member_ids]
         await asyncio.gather(*(service.start() for service in services))
         for service in services:
             self.brokers[service.name] = service

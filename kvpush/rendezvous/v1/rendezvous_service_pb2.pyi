@@ -275,12 +275,14 @@ class ItemError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., reason: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class BrokerShard(_message.Message):
-    __slots__ = ("member_id", "address")
+    __slots__ = ("member_id", "address", "engines_attached")
     MEMBER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     member_id: str
     address: str
-    def __init__(self, member_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    engines_attached: bool
+    def __init__(self, member_id: _Optional[str] = ..., address: _Optional[str] = ..., engines_attached: _Optional[bool] = ...) -> None: ...
 
 class WatchShardsRequest(_message.Message):
     __slots__ = ()
