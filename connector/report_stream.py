@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 KINDS = ("registrations", "prefill_done", "write_results", "cancels")
 # Refusals that say the member applied nothing because of the shard map: the item may go again.
 SHARD_REFUSALS = frozenset((errors.Reason.NOT_SHARD_OWNER, errors.Reason.BROKER_SHARD_LOST))
+# How long a stream waits at a time for its member's channel to connect before expiring what is due.
+CONNECT_WAIT_S = 0.25
 # Items per message: keeps a batch far below gRPC's 4 MiB message limit.
 MAX_BATCH_ITEMS = 256
 
@@ -121,6 +123,11 @@ class ReportStream:
         """Keeps the stream open, sending what is queued and dispatching answers, until the session closes."""
         backoff = Backoff()
         while not self._closed():
+            if not await self._broker.wait_connected(CONNECT_WAIT_S):
+                # Nothing goes out while the member cannot be reached: its items stay unsent, so if it leaves the map they
+                # go to their new owner (ReportRouter.remove_member) instead of failing as perhaps applied.
+                self._expire(self._queue)
+                continue
             call = self._broker.engine_reports(self._engine_id)
             inflight: deque[list[Report]] = deque()
             reader = asyncio.ensure_future(self._read(call, inflight))

@@ -75,6 +75,9 @@ class _NoAnswer:
 
     target = "stalled"
 
+    async def wait_connected(self, timeout_s: float) -> bool:
+        return True
+
     def engine_reports(self, engine_id: str):
         return _SilentCall()
 
