@@ -3,7 +3,7 @@
 
 ProducerCore is deterministic: it reads time only from its Clock and talks
 to NIXL only through a Transport, so the protocol simulation
-(kvpush.sim) drives the very same code the worker runs. Producer
+(kvpush.dev.sim) drives the very same code the worker runs. Producer
 (producer_thread.py) runs it on the worker's transfer thread.
 
 The core is the state machine: it takes sources, orders, revocations,
@@ -43,7 +43,7 @@ OUTCOME_MEMORY = 100_000
 
 
 class Transport(Protocol):
-    """What the core needs of a NIXL agent (KvAgent; a simulated one in kvpush.sim)."""
+    """What the core needs of a NIXL agent (KvAgent; a simulated one in kvpush.dev.sim)."""
 
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, name: str) -> None: ...

@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpush.localstack.completions import Completion, completions
-from kvpush.localstack.control_plane import ControlPlaneHandle
+from kvpush.dev.localstack.completions import Completion, completions
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle
 
 
 def transfer_params(role: str, transfer_id: str, peer_engine_id: str, *, attempt: int = 1, timeout_ms: int | None = None) -> dict:

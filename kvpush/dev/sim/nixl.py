@@ -17,8 +17,8 @@ import random
 from dataclasses import dataclass, field
 
 from kvpush.connector.nixl_agent import NixlWrite
-from kvpush.sim.checks import Violations
-from kvpush.sim.world import Process
+from kvpush.dev.sim.checks import Violations
+from kvpush.dev.sim.world import Process
 
 
 @dataclass

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.localstack.process import GroupProcess, wait_for_port_file
+from kvpush.dev.localstack.process import GroupProcess, wait_for_port_file
 from kvpush.services.common.tokens import ROUTER_IDENTITY, create_tokens
 
 CONTROL_PLANE_START_TIMEOUT_S = 30.0

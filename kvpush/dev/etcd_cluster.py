@@ -24,9 +24,9 @@ from pathlib import Path
 
 import grpc
 
+from kvpush.dev.localstack.process import GroupProcess, StartError, free_port
 from kvpush.etcd.client import STATUS_METHOD
 from kvpush.etcd.v1 import etcd_pb2 as pb
-from kvpush.localstack.process import GroupProcess, StartError, free_port
 
 ETCD_BINARY = "etcd"
 HEARTBEAT_MS = 50

@@ -13,15 +13,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
+from kvpush.dev.sim.checks import Violations
+from kvpush.dev.sim.control_plane import ControlPlane
+from kvpush.dev.sim.decode import DecodeEngine
+from kvpush.dev.sim.nixl import Fabric
+from kvpush.dev.sim.prefill import PrefillEngine
+from kvpush.dev.sim.router import ClientRequest, Router
+from kvpush.dev.sim.world import Faults, Network, World
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.registrar.config import RegistrarConfig
-from kvpush.sim.checks import Violations
-from kvpush.sim.control_plane import ControlPlane
-from kvpush.sim.decode import DecodeEngine
-from kvpush.sim.nixl import Fabric
-from kvpush.sim.prefill import PrefillEngine
-from kvpush.sim.router import ClientRequest, Router
-from kvpush.sim.world import Faults, Network, World
 
 
 @dataclass(frozen=True)

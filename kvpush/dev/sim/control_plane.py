@@ -17,18 +17,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvpush.connector.report_routing import RETRY_FIRST_S, RETRY_MAX_S
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.sim.deployment import BLOCK_SIZE, LAYERS, SLIDING_LAYERS, WINDOW
+from kvpush.dev.sim.world import Process, Stream
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import KvpushError, Reason, Unavailable
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RegistrarCore
-from kvpush.sim.deployment import BLOCK_SIZE, LAYERS, SLIDING_LAYERS, WINDOW
-from kvpush.sim.world import Process, Stream
 
 if TYPE_CHECKING:
-    from kvpush.sim.simulation import Simulation
+    from kvpush.dev.sim.simulation import Simulation
 
 BROKER_MEMBER = "broker-0"
 # An engine's per-request messages (EngineReports items in the connector): a refusal by a member that is not serving

@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import DEFAULT_START_TIMEOUT_S, ServerHandle, spawn_vllm_server, wait_until_healthy
-from kvpush.localstack.process import GroupProcess, free_fixed_port
-from kvpush.localstack.router import RouterHandle, start_router
-from kvpush.localstack.upstream import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, side_channel_env, upstream_transfer_config
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import DEFAULT_START_TIMEOUT_S, ServerHandle, spawn_vllm_server, wait_until_healthy
+from kvpush.dev.localstack.process import GroupProcess, free_fixed_port
+from kvpush.dev.localstack.router import RouterHandle, start_router
+from kvpush.dev.localstack.upstream import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, side_channel_env, upstream_transfer_config
 from kvpush.processes import group_members, parse_cpu_list, pin_threads
 
 MODES = ("kvpush", "upstream-push", "pull")

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvpush.sim.simulation import Simulation
+from kvpush.dev.sim.simulation import Simulation
 
 
 @dataclass
