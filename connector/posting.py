@@ -21,18 +21,44 @@ broker (_answer, _finish); split out so the fencing reads on its own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from kvpush.clock import Clock
 from kvpush.connector.handoff import SourceReady, prompt_digest
 from kvpush.connector.notification import notification
 from kvpush.connector.producer_records import FAILED, REVOKED, Computing, Job, Key, MadeWrites, Order, Source
 from kvpush.connector.write_plans import Peer, WritePlan, build_write_plans, device_of
 from kvpush.rendezvous.v1 import transfer_pb2
 
+if TYPE_CHECKING:
+    from kvpush.connector.producer import Transport
+    from kvpush.connector.write_plans import LocalLayout
+
 logger = logging.getLogger(__name__)
 
 
 class Posting:
     """ProducerCore's posting of WRITEs, fenced (a mixin: the state it reads and writes is the core's)."""
+
+    if TYPE_CHECKING:  # ProducerCore's, declared for the type checker only
+        transport: Transport
+        local: LocalLayout
+        spans: Any
+        clock: Clock
+        _plan_writes: Callable[..., list[WritePlan]]
+        _sources: dict[Key, Source]
+        _computing: dict[Key, Computing]
+        _orders: dict[Key, Order]
+        _jobs: dict[Key, Job]
+        _peers: dict[str, Peer]
+        _local_prepared: object | None
+        _streams: dict[int, float]
+
+        def _answer(self, key: Key, outcome: int, reason: int, message: str, *, nbytes: int = 0, descriptors: int = 0,
+                    job: Job | None = None, done_ns: int = 0) -> None: ...
+        def _release(self, source: Source, written_ns: int = 0) -> None: ...
+        def _wall_ns(self) -> int: ...
 
     def _try_start(self, key: Key) -> None:
         source, order = self._sources.get(key), self._orders.get(key)
