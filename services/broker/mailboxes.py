@@ -181,8 +181,8 @@ class Mailboxes:
         for key, mailbox in self._producers.items():
             if key[0] == engine_id and not mailbox.closed and self._planner.rank_lost(key):
                 mailbox.close(now)
-        for key in [k for k in self._decoders if k[0] == engine_id and self._planner.engine_lost(*k)]:
-            self._decoders.pop(key).close(now)
+        for decoder in [k for k in self._decoders if k[0] == engine_id and self._planner.engine_lost(*k)]:
+            self._decoders.pop(decoder).close(now)
 
     def prune(self, horizon: float) -> None:
         """Forgets producer mailboxes closed before horizon: nothing sent through them can still be acted on."""
