@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                              control_plane_args=("--metrics-port", "0"), engine_start_timeout=args.engine_timeout)
             with Stack(spec, model_dir, run_dir, log_dir=run_dir / "logs", say=say) as stack:
                 stack.start()
+                assert stack.router is not None, "a kvpush stack starts its router"
                 answers = asyncio.run(run_requests(stack.router.url, args.max_tokens, started))
                 _print_answers(answers)
                 (run_dir / "outputs.json").write_text(json.dumps([dataclasses.asdict(a) for a in answers], indent=1), encoding="utf-8")

@@ -182,6 +182,7 @@ class Stack:
     def _transfer_config(self, role: str, engine_id: str) -> dict:
         if self.spec.mode == "kvpush":
             extra = {**self.spec.kvpush_extra, **(self.spec.prefill_extra if role == "prefill" else {})}
+            assert self.control_plane is not None, "kvpush mode starts the control plane before the engines"
             return kvpush_transfer_config(role, engine_id, self.control_plane, **extra)
         return upstream_transfer_config("push" if self.spec.mode == "upstream-push" else "pull", role, engine_id)
 

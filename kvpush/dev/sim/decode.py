@@ -90,6 +90,7 @@ class DecodeEngine:
         request = self.requests[req_id] = DecodeRequest(req_id, key, router_leg, bound, blocks, 0, num_tokens, prompt_id)
         wait = self.waits.admit(req_id, params, "" if params is not None else "bad request: unreadable kv_transfer_params", timeout_s, 0)
         if not wait.failure:
+            assert params is not None, "without parameters the wait carries its refusal"
             self._register(request, params, timeout_s)
         self.step()
 

@@ -142,7 +142,8 @@ class Simulation:
         proc.paused_until = max(proc.paused_until, self.world.time + seconds)
 
     def _kill(self, which: str, downtime: float) -> None:
-        {"prefill": self.prefill, "decode": self.decode, "control-plane": self.cp}[which].kill(downtime)
+        parts: dict[str, PrefillEngine | DecodeEngine | ControlPlane] = {"prefill": self.prefill, "decode": self.decode, "control-plane": self.cp}
+        parts[which].kill(downtime)
 
     def _check_quiet(self, requests: list[ClientRequest]) -> None:
         for request in self.router.requests:

@@ -143,5 +143,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Builds the model and prints its folder and weights hash."""
     out = build_tiny_model(args.out or default_model_dir(args.arch), seed=args.seed, arch=args.arch)
-    print(f"{out} sha256={read_manifest(out)['sha256']}")
+    manifest = read_manifest(out)
+    assert manifest is not None, "build_tiny_model writes the manifest last"
+    print(f"{out} sha256={manifest['sha256']}")
     return 0
