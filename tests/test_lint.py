@@ -19,19 +19,12 @@ def test_ruff_check_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_mypy_finds_no_error_beyond_the_baseline():
-    """mypy over kvpush/, services/ and connector/ (kvpush.dev.typecheck): no new error, and the baseline only shrinks."""
-    from collections import Counter
-
+def test_mypy_is_clean():
+    """mypy over kvpush/, services/ and connector/ (kvpush.dev.typecheck) reports no error."""
     from kvpush.dev import typecheck
 
     result = typecheck.run(timeout=180)
-    assert "error:" in result.stdout or result.returncode == 0, result.stdout + result.stderr  # mypy ran
-    found = Counter(typecheck.errors(result.stdout))
-    known = Counter(line for line in typecheck.BASELINE.read_text().splitlines() if line)
-    new, fixed = sorted((found - known).elements()), sorted((known - found).elements())
-    assert not new, "mypy errors not in tests/typecheck_baseline.txt:\n" + "\n".join(new) + "\n\n" + result.stdout
-    assert not fixed, "fixed, so delete from tests/typecheck_baseline.txt (or --write-baseline):\n" + "\n".join(fixed)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # Other ways to take a percentile, each its own definition: every report and benchmark uses kvpush.report.percentiles.

@@ -5,13 +5,9 @@
 kvpush.connector (pyproject.toml's package-dir, which the editable install maps with an import hook mypy does not
 follow), so every import between them would be missing. This builds that package as a tree of symlinks under
 build/typecheck/, runs `mypy -p kvpush` there with pyproject.toml's [tool.mypy], and reports its errors against the
-repository's own paths. Exit status: mypy's.
+repository's own paths. Exit status: mypy's; tests/test_lint.py fails on any error.
 
     python -m kvpush.dev.typecheck                   # mypy's report
-    python -m kvpush.dev.typecheck --write-baseline  # record today's errors in tests/typecheck_baseline.txt
-
-The baseline holds the errors the tree had when mypy came in, line numbers left out; tests/test_lint.py fails on any
-error not in it, and on any entry of it that is gone (fixed: delete the line).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ import sys
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # kvpush/dev/typecheck.py
 TREE = REPO_ROOT / "build" / "typecheck"
-BASELINE = REPO_ROOT / "tests" / "typecheck_baseline.txt"
 # pyproject.toml's package-dir: the folders installed inside kvpush.
 MAPPED = {"services": REPO_ROOT / "services", "connector": REPO_ROOT / "connector"}
 
@@ -45,11 +40,6 @@ def repository_paths(output: str) -> str:
     return re.sub(rf"^kvpush/({'|'.join(MAPPED)})/", r"\1/", output, flags=re.MULTILINE)
 
 
-def errors(output: str) -> list[str]:
-    """The report's errors as `path: message  [code]`, sorted, line numbers left out so unrelated edits keep them equal."""
-    return sorted(re.sub(r"^([^:]+):\d+: error: ", r"\1: ", line) for line in output.splitlines() if ": error: " in line)
-
-
 def run(extra: list[str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     tree = build_tree()
     command = [sys.executable, "-m", "mypy", "--config-file", str(REPO_ROOT / "pyproject.toml"),
@@ -60,11 +50,6 @@ def run(extra: list[str] | None = None, timeout: float = 600) -> subprocess.Comp
 
 
 def main() -> int:
-    if sys.argv[1:] == ["--write-baseline"]:
-        found = errors(run().stdout)
-        BASELINE.write_text("".join(f"{line}\n" for line in found))
-        print(f"{len(found)} errors recorded in {BASELINE.relative_to(REPO_ROOT)}")
-        return 0
     result = run(sys.argv[1:])
     sys.stdout.write(result.stdout)
     sys.stderr.write(result.stderr)
