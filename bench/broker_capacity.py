@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """How many rendezvous per second one `kvpush control-plane` process sustains, and how fast orders arrive.
 
-Starts the control plane as kvpush.localstack does (127.0.0.1:0, its own
+Starts the control plane as kvpush.dev.localstack does (127.0.0.1:0, its own
 process group, its log in a temporary work directory), registers
 `--engines` fake prefill/decode engine pairs (one rank each, no early
 orders, so the broker does the match) over real RPCs, then drives
@@ -28,7 +28,7 @@ table beside the target (>= 10,000/s per control-plane process with p99
 <= 5 ms) and one JSON line.
 
 With `--shards N` the control plane is the scaled-out form instead
-(kvpush.localstack.scaled: a 3-member etcd cluster, one registrar replica,
+(kvpush.dev.localstack.scaled: a 3-member etcd cluster, one registrar replica,
 N broker shards): each rendezvous goes to the shard that owns its transfer
 id (kvpush.shards), each prefill rank holds one order stream per shard, and
 the server CPU is the sum over the shards.
@@ -53,8 +53,8 @@ if __package__ in (None, ""):
 from bench.broker_capacity_ceilings import core_only, transport_floor
 from bench.broker_capacity_constants import TRANSFER_TIMEOUT_S
 from bench.broker_capacity_phases import run
-from kvpush.localstack.control_plane import start_control_plane
-from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec
+from kvpush.dev.localstack.control_plane import start_control_plane
+from kvpush.dev.localstack.scaled import ScaledControlPlane, ScaledSpec
 
 TARGET_RATE = 10_000  # per control-plane process, open loop at 2k / 5k / 10k offered
 TARGET_P99_MS = 5.0

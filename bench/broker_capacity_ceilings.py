@@ -19,12 +19,12 @@ import grpc
 from bench.broker_capacity_constants import BARRIER_TIMEOUT_S, SERVER_CPU, START_TIMEOUT_S, TOKENS, TRANSFER_TIMEOUT_S
 from kvpush.client import BrokerClient
 from kvpush.clock import SystemClock
+from kvpush.dev import sample_engines as sample
 from kvpush.processes import cpu_seconds
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.server import run_event_loop
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore

@@ -21,13 +21,13 @@ import grpc
 from bench.broker_capacity_constants import CALL_TIMEOUT_S, TOKENS, TRANSFER_TIMEOUT_S
 from kvpush.client import BrokerClient, ClientConfig
 from kvpush.connector.report_stream import Report, ReportStream
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import KvpushError
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.shards import owner
 
 

@@ -27,10 +27,10 @@ import json
 import tracemalloc
 
 from kvpush.clock import ManualClock
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 

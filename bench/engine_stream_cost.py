@@ -46,10 +46,10 @@ from bench.broker_capacity_ceilings import _floor_server
 from bench.broker_capacity_constants import SERVER_CPU
 from kvpush.client import BrokerClient, ClientConfig, LoopThread
 from kvpush.connector.report_stream import Report, ReportStream
+from kvpush.dev import sample_engines as sample
 from kvpush.processes import name_os_thread, thread_cpu_seconds, thread_ids
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 
 LOOP_THREAD = "kvpush-control"
 SWITCHES = "context switches"

@@ -3,7 +3,7 @@
 """`python -m bench.failover`: the scaled-out control plane under steady load, losing one part at a time.
 
 Starts the local stack on a scaled-out control plane (a 3-member etcd
-cluster, 2 registrar replicas, 3 broker shards; kvpush.localstack.scaled)
+cluster, 2 registrar replicas, 3 broker shards; kvpush.dev.localstack.scaled)
 with a P and a D vLLM engine and the router, then, under steady load through
 the router, stops one broker shard with SIGSTOP for longer than its lease
 (a hung member: the first address of every client's broker target), cuts

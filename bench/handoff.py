@@ -42,13 +42,13 @@ from pathlib import Path
 
 from bench.pyspy import MISSING as PYSPY_MISSING
 from bench.pyspy import RATE_HZ, pyspy_binary, start_profilers, stop_profilers
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.stack import Stack, StackSpec
-from kvpush.localstack.transfers import dispatch
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.stack import Stack, StackSpec
+from kvpush.dev.localstack.transfers import dispatch
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.processes import thread_cpu_seconds
 from kvpush.report.percentiles import percentile
 from kvpush.telemetry import read_spans
-from kvpush.tinymodel import build_tiny_model, default_model_dir
 
 TARGET_POSTED_P50_MS = 1.0
 TARGET_SCHEDULED_P50_MS = 2.0

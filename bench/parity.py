@@ -41,13 +41,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from bench import upstream
-from kvpush.localstack.completions import Completion, HttpError, completions, max_logprob_diff
-from kvpush.localstack.engines import StartError, reference_run
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.stack import Stack, StackSpec
-from kvpush.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.localstack.completions import Completion, HttpError, completions, max_logprob_diff
+from kvpush.dev.localstack.engines import StartError, reference_run
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.stack import Stack, StackSpec
+from kvpush.dev.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.tinymodel import build_tiny_model, default_model_dir
 
 MODES = ("kvpush", "upstream-push", "pull")
 # hybrid: a sliding-window and a full-attention group; mamba: a Mamba2 state group and a full-attention group.
@@ -194,7 +194,7 @@ def compare(cell: Cell, outcomes: dict[str, Outcome], reference: list[Completion
 
 def check_mla_consistency(model_dir: Path, work: Path) -> list[tuple[int, list[int], list[int]]]:
     """One plain MLA engine: a prompt's tokens 2-3 against the prompt + its first token's tokens 1-2."""
-    from kvpush.localstack.engines import start_vllm_server
+    from kvpush.dev.localstack.engines import start_vllm_server
 
     rows = []
     with start_vllm_server(model_dir, log_path=work / "consistency.log") as server:

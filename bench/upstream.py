@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Upstream vLLM P/D baselines on this machine: NIXL pull and push, with minimal routers.
 
-The engines are a `kvpush.localstack` stack of mode "pull" or
-"upstream-push" without a router (see `kvpush.localstack.upstream`):
+The engines are a `kvpush.dev.localstack` stack of mode "pull" or
+"upstream-push" without a router (see `kvpush.dev.localstack.upstream`):
 
 * pull: the router sends P a non-streaming `max_tokens=1` leg with
   `do_remote_decode`, then streams D with the `kv_transfer_params` P
@@ -34,11 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.localstack.completions import Completion, completions, max_logprob_diff, max_logprob_shift, stream_completions
-from kvpush.localstack.engines import reference_run
-from kvpush.localstack.prompts import control_prompt, prompt_token_ids
-from kvpush.localstack.stack import Stack, StackSpec
-from kvpush.localstack.upstream import PREFILL_ENGINE_ID, SIDE_CHANNEL_HOST
+from kvpush.dev.localstack.completions import Completion, completions, max_logprob_diff, max_logprob_shift, stream_completions
+from kvpush.dev.localstack.engines import reference_run
+from kvpush.dev.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.dev.localstack.stack import Stack, StackSpec
+from kvpush.dev.localstack.upstream import PREFILL_ENGINE_ID, SIDE_CHANNEL_HOST
 from kvpush.services.router.core import PULL_PREFILL_PARAMS
 
 ENGINE_HOOKS_DIR = Path(__file__).resolve().parent / "engine_hooks"
@@ -187,7 +187,7 @@ def check_against_reference(model_dir: Path, modes: Sequence[str], *, prompt_len
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI: check upstream pull/push against a single engine on the tiny model."""
-    from kvpush.tinymodel import build_tiny_model, default_model_dir
+    from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["pull", "push", "both"], default="both")

@@ -19,12 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import start_vllm_servers
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import start_vllm_servers
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.tinymodel import build_tiny_model, default_model_dir
 
 BLOCK_SIZE = 128
 LAYER_BYTES_PER_TOKEN = 2 * 2 * 64 * 4  # planes x KV heads x head size x float32

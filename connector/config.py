@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.logs import LEVELS
-from kvpush.settings import Settings, setting
+from kvpush.settings import Settings, declared, setting
 
 ENGINE_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # The shortest hold margin accepted: the broker's default fence margin (1 s) plus a short WRITE timeout.
@@ -48,7 +48,7 @@ class ConnectorConfig(Settings):
 
     engine_id: str
     role: str  # "prefill" or "decode", from kv_role
-    control_plane: str = setting(env="KVPUSH_CONTROL_PLANE", help="host:port of the control plane")
+    control_plane: str = field(metadata=declared(env="KVPUSH_CONTROL_PLANE", help="host:port of the control plane"))
     # token is this engine's own token (its file in the control plane's
     # --tokens-dir), read from token_file or $KVPUSH_TOKEN; "" with mTLS.
     token: str

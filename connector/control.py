@@ -156,6 +156,7 @@ class ControlSession:
             self._sync.add_done_callback(_log_failure)
 
     async def _apply_map(self) -> None:
+        assert self._shards is not None, "only the shard map's listener starts a resync"
         while not self._closed:
             members = self._shards.members()
             gone = [m for m, c in self._clients.items() if members.get(m) != c.target]  # left, or moved to another address
@@ -294,6 +295,7 @@ class ControlSession:
         while not self._closed:
             stream = open_stream()
             handle = on_open() if on_open is not None else on_message
+            assert handle is not None, "follow() passes on_message, follow_members() on_open"
             try:
                 async for message in stream:
                     backoff.reset()

@@ -13,15 +13,34 @@ the transfer state machine reads on its own.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from kvpush.connector.write_plans import Peer, PeerRank, device_of, page_table_of
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
+
+if TYPE_CHECKING:
+    from kvpush.connector.producer import Transport
+    from kvpush.connector.producer_records import Computing, Job, Key, Order
+    from kvpush.connector.write_plans import LocalLayout
 
 logger = logging.getLogger(__name__)
 
 
 class DecodePeers:
     """ProducerCore's decode peers (a mixin: the state it reads and writes is the core's)."""
+
+    if TYPE_CHECKING:  # ProducerCore's, declared for the type checker only
+        transport: Transport
+        local: LocalLayout
+        _computing: dict[Key, Computing]
+        _orders: dict[Key, Order]
+        _jobs: dict[Key, Job]
+        _peers: dict[str, Peer]
+        _retiring: list[PeerRank]
+        _local_prepared: object | None
+
+        def _try_start(self, key: Key) -> None: ...
+        def _discard_made(self, computing: Computing) -> None: ...
 
     def engine_event(self, event: reg_pb.WatchEnginesResponse) -> None:
         engine = event.engine

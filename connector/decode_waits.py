@@ -86,6 +86,7 @@ class DecodeWaits:
         if wait.failure:
             wait.safe = True  # nothing naming these blocks left this engine
         else:
+            assert key is not None, "a request whose parameters could not be read is admitted only with its refusal"
             self._by_key[key] = req_id
         self._waits[req_id] = wait
         return wait
@@ -161,6 +162,7 @@ class DecodeWaits:
                 wait.failure = "no KV before the transfer deadline"
             if wait.failure and wait.registered and not wait.safe and not wait.cancel_sent:
                 wait.cancel_sent = True  # the broker ends and fences the attempt, and tells us ENDED
+                assert wait.key is not None, "only a wait with its key was registered"
                 cancels.append(wait.key)
             if not wait.safe and now >= wait.hold_until:
                 logger.warning("kvpush: reusing the blocks of %s %s after its deadline and hold margin without the broker's word",

@@ -21,7 +21,7 @@ PREDICTION_MARGIN = 0.8
 class ForwardTimes:
     """A running estimate of this rank's forward time per scheduled token (single-threaded: the engine thread)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.seconds_per_token: float | None = None
         self._started: tuple[float, int] | None = None  # the running forward: (start, its scheduled tokens)
 

@@ -21,18 +21,45 @@ broker (_answer, _finish); split out so the fencing reads on its own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from kvpush.clock import Clock
 from kvpush.connector.handoff import SourceReady, prompt_digest
 from kvpush.connector.notification import notification
 from kvpush.connector.producer_records import FAILED, REVOKED, Computing, Job, Key, MadeWrites, Order, Source
 from kvpush.connector.write_plans import Peer, WritePlan, build_write_plans, device_of
 from kvpush.rendezvous.v1 import transfer_pb2
 
+if TYPE_CHECKING:
+    from kvpush.connector.nixl_agent import NixlWrite
+    from kvpush.connector.producer import Transport
+    from kvpush.connector.write_plans import LocalLayout
+
 logger = logging.getLogger(__name__)
 
 
 class Posting:
     """ProducerCore's posting of WRITEs, fenced (a mixin: the state it reads and writes is the core's)."""
+
+    if TYPE_CHECKING:  # ProducerCore's, declared for the type checker only
+        transport: Transport
+        local: LocalLayout
+        spans: Any
+        clock: Clock
+        _plan_writes: Callable[..., list[WritePlan]]
+        _sources: dict[Key, Source]
+        _computing: dict[Key, Computing]
+        _orders: dict[Key, Order]
+        _jobs: dict[Key, Job]
+        _peers: dict[str, Peer]
+        _local_prepared: object | None
+        _streams: dict[int, float]
+
+        def _answer(self, key: Key, outcome: transfer_pb2.WriteOutcome, reason: transfer_pb2.EndReason, message: str, *, nbytes: int = 0, descriptors: int = 0,
+                    job: Job | None = None, done_ns: int = 0) -> None: ...
+        def _release(self, source: Source, written_ns: int = 0) -> None: ...
+        def _wall_ns(self) -> int: ...
 
     def _try_start(self, key: Key) -> None:
         source, order = self._sources.get(key), self._orders.get(key)
@@ -49,7 +76,11 @@ class Posting:
         if peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks):
             return  # the registrar's view of the decode engine hasn't arrived yet
         del self._orders[key]
-        ready = source.ready if source is not None else computing.ready
+        if source is not None:
+            ready = source.ready
+        else:
+            assert computing is not None, "without a source, a computing one was required above"
+            ready = computing.ready
         reason, mismatch = self._mismatch(ready, destination)
         if mismatch:
             # An early order bypasses the broker's token check, and only this rank holds the
@@ -68,14 +99,14 @@ class Posting:
         self._post_parts(key, job, final=source is not None)
 
     @staticmethod
-    def _mismatch(ready: SourceReady, destination: transfer_pb2.Destination) -> tuple[int, str]:
+    def _mismatch(ready: SourceReady, destination: transfer_pb2.Destination) -> tuple[transfer_pb2.EndReason, str]:
         """Why this source cannot fill the destination (end reason, message), or (0, "")."""
         needed = destination.first_token + destination.num_tokens
         if ready.num_tokens < needed:
             return transfer_pb2.END_REASON_TOKEN_COUNT_MISMATCH, f"this prefill computed {ready.num_tokens} tokens; the destination needs {needed}"
         if destination.prompt_digest and ready.prompt and prompt_digest(ready.prompt, needed) != destination.prompt_digest:
             return transfer_pb2.END_REASON_PROMPT_MISMATCH, f"the destination needs the KV of another prompt than this prefill's first {needed} tokens"
-        return 0, ""
+        return transfer_pb2.END_REASON_UNSPECIFIED, ""
 
     def _may_post(self, order: Order) -> bool:
         """The self-fencing checks, run right before a post."""
@@ -85,7 +116,7 @@ class Posting:
         if now >= order.post_by:
             key = (order.order.key.transfer_id, order.order.key.attempt)
             logger.warning("kvpush producer: order %s is past its write budget; not writing", key)
-            self._answer(key, REVOKED, 0, "the order's write budget ran out before the WRITE could be posted")
+            self._answer(key, REVOKED, transfer_pb2.END_REASON_UNSPECIFIED, "the order's write budget ran out before the WRITE could be posted")
             return False
         return True
 
@@ -120,8 +151,8 @@ class Posting:
         try:
             if final and job.source.ready_event is not None:
                 job.source.ready_event.synchronize()  # the forward that wrote these blocks has finished
-            elif not final and self._computing[key].event is not None:
-                self._computing[key].event.synchronize()  # the layers' forward has finished
+            elif not final and (layers_event := self._computing[key].event) is not None:
+                layers_event.synchronize()  # the layers' forward has finished
             if made is not None:
                 plans = made.plans
             else:
@@ -132,7 +163,7 @@ class Posting:
             if job.parts:
                 self._stop_parts(job, f"the WRITE plan could not be built: {exc}")
             else:
-                self._answer(key, FAILED, 0, f"the WRITE plan could not be built: {exc}")
+                self._answer(key, FAILED, transfer_pb2.END_REASON_UNSPECIFIED, f"the WRITE plan could not be built: {exc}")
             return
         prep_ns = self._wall_ns()
         if final:
@@ -146,7 +177,7 @@ class Posting:
             self._stop_parts(job, "the order's stream or write budget ran out while the parts of its WRITE were being posted")
             return
         part = job.parts + 1
-        writes = made.writes if made is not None else [None] * len(plans)
+        writes: list[NixlWrite | None] = made.writes if made is not None else [None] * len(plans)
         try:
             for i, p in enumerate(plans):
                 write = writes[i] or self._make_write(p, peer, ready, destination, part, final)
@@ -185,6 +216,7 @@ class Posting:
         if plan.pages is not None:
             return self.transport.make_pages(rank.agent, self._local_prepared, plan.pages.local, rank.prepared, plan.pages.remote,
                                              plan.pages.bytes, notif)
+        assert plan.plan is not None, "a WritePlan holds pages or byte segments"
         return self.transport.make_write(rank.agent, plan.plan.src, plan.plan.dst, plan.plan.lengths, self.local.device,
                                          device_of(rank.layout), notif)
 
@@ -204,7 +236,7 @@ class Posting:
         if (peer is None or peer.incarnation != destination.incarnation or any(r not in peer.ranks for r in order.order.decode_tp_ranks)
                 or self._mismatch(computing.ready, destination)[1]):
             return  # decided when the source is ready
-        writes = []
+        writes: list[NixlWrite | None] = []
         try:
             plans = self._plan_writes(Source(computing.ready, float("inf"), 0), order, peer)
             for p in plans:
@@ -218,17 +250,18 @@ class Posting:
     def _take_made(self, key: Key, job: Job, peer: Peer) -> MadeWrites | None:
         """The WRITEs made ahead for this job, if made for its very order, decode engine and source."""
         computing = self._computing.get(key)
-        made = computing.made if computing is not None else None
-        if made is None:
+        if computing is None or computing.made is None:
             return None
-        computing.made = None
+        made, computing.made = computing.made, None
         if made.order is job.order and made.peer is peer and computing.ready == job.source.ready:
             return made
         self._discard_writes(made.writes)
         return None
 
     def _discard_made(self, computing: Computing) -> None:
+        """Frees the WRITEs made ahead for computing (callers check it has them)."""
         made, computing.made = computing.made, None
+        assert made is not None, "called only for a computing source with WRITEs made ahead"
         self._discard_writes(made.writes)
 
     def _discard_writes(self, writes: list) -> None:

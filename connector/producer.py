@@ -3,7 +3,7 @@
 
 ProducerCore is deterministic: it reads time only from its Clock and talks
 to NIXL only through a Transport, so the protocol simulation
-(kvpush.sim) drives the very same code the worker runs. Producer
+(kvpush.dev.sim) drives the very same code the worker runs. Producer
 (producer_thread.py) runs it on the worker's transfer thread.
 
 The core is the state machine: it takes sources, orders, revocations,
@@ -43,7 +43,7 @@ OUTCOME_MEMORY = 100_000
 
 
 class Transport(Protocol):
-    """What the core needs of a NIXL agent (KvAgent; a simulated one in kvpush.sim)."""
+    """What the core needs of a NIXL agent (KvAgent; a simulated one in kvpush.dev.sim)."""
 
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, name: str) -> None: ...
@@ -91,7 +91,7 @@ class ProducerCore(Posting, DecodePeers):
         self._orders: dict[Key, Order] = {}
         self._jobs: dict[Key, Job] = {}
         self._closed: OrderedDict[Key, None] = OrderedDict()
-        self._outcomes: OrderedDict[Key, tuple[int, int, str]] = OrderedDict()  # answered keys: (outcome, reason, message)
+        self._outcomes: OrderedDict[Key, tuple[transfer_pb2.WriteOutcome, transfer_pb2.EndReason, str]] = OrderedDict()  # answered keys: (outcome, reason, message)
         self._peers: dict[str, Peer] = {}
         self._retiring: list[PeerRank] = []  # peer ranks to unload once no WRITE to them is in flight
         self._local_prepared = None  # this rank's page table, prepared once a peer can use it
@@ -231,7 +231,7 @@ class ProducerCore(Posting, DecodePeers):
             key = (message.revocation.key.transfer_id, message.revocation.key.attempt)
             self._orders.pop(key, None)
             if key not in self._jobs:  # a job in flight answers when it completes
-                outcome = self._outcomes.get(key, (REVOKED, 0, ""))
+                outcome = self._outcomes.get(key, (REVOKED, transfer_pb2.END_REASON_UNSPECIFIED, ""))
                 self._answer(key, *outcome)
             elif self._jobs[key].more_parts:
                 self._stop_parts(self._jobs[key], "the attempt was revoked while the parts of its WRITE were being posted")
@@ -254,7 +254,7 @@ class ProducerCore(Posting, DecodePeers):
             self._answer(key, *self._outcomes[key])  # a resent order: the same answer again
             return
         if key in self._closed:
-            self._answer(key, REVOKED, 0, "the attempt was closed before its order arrived")
+            self._answer(key, REVOKED, transfer_pb2.END_REASON_UNSPECIFIED, "the attempt was closed before its order arrived")
             return
         self._orders[key] = Order(order, stream, post_by, self._wall_ns(), sent_ns)
         self._announce(key)
@@ -349,6 +349,7 @@ class ProducerCore(Posting, DecodePeers):
         del self._jobs[key]
         held = self._prefill_done_with_result.pop(key, None)
         if held is not None:
+            assert self._prefill_done is not None, "a report is held for its result only when there is one to send"
             self._prefill_done(held)  # first: the broker then reads the report before the result, as when it came first
         nbytes = sum(w.bytes for w in job.writes)
         descriptors = sum(w.descriptors for w in job.writes)
@@ -356,12 +357,12 @@ class ProducerCore(Posting, DecodePeers):
         if job.post_ns:
             seconds = max(done_ns - job.post_ns, 1) / 1e9
             self.spans.emit("p.write_transfer", job.post_ns, done_ns, ready, bytes=nbytes, descriptors=descriptors, gbps=nbytes / seconds / 1e9, error=failure)
-        self._answer(key, FAILED if failure else WRITTEN, 0, failure, nbytes=nbytes, descriptors=descriptors, job=job, done_ns=done_ns)
+        self._answer(key, FAILED if failure else WRITTEN, transfer_pb2.END_REASON_UNSPECIFIED, failure, nbytes=nbytes, descriptors=descriptors, job=job, done_ns=done_ns)
         source = self._sources.pop(key, None)
         if source is not None:
             self._release(source, done_ns)
 
-    def _answer(self, key: Key, outcome: int, reason: int, message: str, *, nbytes: int = 0, descriptors: int = 0, job: Job | None = None, done_ns: int = 0) -> None:
+    def _answer(self, key: Key, outcome: transfer_pb2.WriteOutcome, reason: transfer_pb2.EndReason, message: str, *, nbytes: int = 0, descriptors: int = 0, job: Job | None = None, done_ns: int = 0) -> None:
         self._remember(self._outcomes, key, (outcome, reason, message))
         request = rv_pb.ReportWriteResultRequest(
             engine_id=self.engine_id, tp_rank=self.local.tp_rank, pp_rank=self.local.pp_rank, outcome=outcome, bytes_written=nbytes, descriptor_count=descriptors,

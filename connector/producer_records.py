@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpush.connector.handoff import Key, SourceReady
 from kvpush.connector.nixl_agent import NixlWrite
@@ -12,12 +13,18 @@ from kvpush.rendezvous.v1 import transfer_pb2
 WRITTEN, FAILED, REVOKED = transfer_pb2.WRITE_OUTCOME_WRITTEN, transfer_pb2.WRITE_OUTCOME_FAILED, transfer_pb2.WRITE_OUTCOME_REVOKED
 
 
+class DeviceEvent(Protocol):
+    """A CUDA event (torch.cuda.Event, not imported here): the transfer thread waits on it before reading blocks."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass
 class Source:
     ready: SourceReady
     hold_until: float
     ready_ns: int
-    ready_event: object = None  # CUDA event to wait on before reading the blocks
+    ready_event: DeviceEvent | None = None  # CUDA event to wait on before reading the blocks
 
 
 @dataclass
@@ -36,7 +43,7 @@ class MadeWrites:
     order: Order
     peer: object  # the Peer they write to (write_plans.Peer)
     plans: list  # their WritePlans, posted in this order
-    writes: list[NixlWrite]  # made, not posted, one per plan
+    writes: list[NixlWrite | None]  # made, not posted, one per plan (the post sets each posted one to None)
 
 
 @dataclass
@@ -46,7 +53,7 @@ class Computing:
     ready: SourceReady
     whole: bool = False  # its KV is written whole at the forward's end: the WRITE may be made while the forward runs
     done: set[int] = field(default_factory=set)
-    event: object = None  # CUDA event recorded after the newest computed layer
+    event: DeviceEvent | None = None  # CUDA event recorded after the newest computed layer
     made: MadeWrites | None = None
     announce_at: float = float("-inf")  # when to tell its decode ranks a WRITE is due (monotonic: near the forward's predicted end)
     announced: bool = False  # they were told

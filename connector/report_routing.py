@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvpush import errors, shards
 from kvpush.client import BrokerClient
@@ -62,7 +62,7 @@ RETRY_MAX_S = 0.8
 STOP_WAIT_S = 5.0
 
 
-async def stop_tasks(tasks: list[asyncio.Task], what: str) -> None:
+async def stop_tasks(tasks: Sequence[asyncio.Future], what: str) -> None:
     """Cancels tasks and waits (bounded) for them to end: a task that outlives its cancellation must not hold back
     every later change of the shard map behind it."""
     for task in tasks:
@@ -160,7 +160,9 @@ class ReportRouter:
             elif report.to is not None and report.to in self._streams:
                 owner = report.to
             else:
-                owner = shards.owner(report.message.key.transfer_id, self._streams)
+                found = shards.owner(report.message.key.transfer_id, self._streams)
+                assert found is not None, "there is a stream (checked above), so an owner among their members"
+                owner = found
             report.member, report.sent = owner, False
             if self._sharded and report.on_route is not None:
                 report.on_route(owner)

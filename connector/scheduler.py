@@ -159,6 +159,7 @@ class DecodeScheduler(_Scheduler):
         wait = self.waits.admit(request.request_id, params, refusal, timeout, time.time_ns())
         if wait.failure:
             return  # nothing named these blocks outside this engine: the next step reports it failed
+        assert params is not None, "a request without parameters is admitted with its refusal, so it failed above"
         # D's own prefix-cache hit stays out of the destination: those blocks may be shared with other
         # requests, so no WRITE may reach them, and P moves only the tokens vLLM will load.
         first_token, num_tokens = local_hit, num_external_tokens
@@ -251,16 +252,16 @@ class DecodeScheduler(_Scheduler):
         # ends here, also when vLLM schedules the next step before this one's output (async scheduling).
         now_ns = time.time_ns()
         for req_id in [req_id for req_id, (_, request, _) in self._first_steps.items() if request.num_output_tokens]:
-            wait, _, started_ns = self._first_steps.pop(req_id)
-            self.spans.emit("d.first_decode_step", started_ns, now_ns, wait.params)
+            stepped, _, started_ns = self._first_steps.pop(req_id)
+            self.spans.emit("d.first_decode_step", started_ns, now_ns, stepped.params)
         failed = output.failed_recving or ()
         for req_id in output.finished_recving or ():
             request = self._receiving.pop(req_id, None)
             if req_id in failed:
                 continue  # DecodeWaits released it
-            wait = self.waits.received(req_id)
-            if wait is not None and request is not None:
-                self._received[req_id] = (wait, request)
+            received = self.waits.received(req_id)
+            if received is not None and request is not None:
+                self._received[req_id] = (received, request)
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         # vLLM keeps the blocks of a request still waiting for remote KV until its receive is reported

@@ -154,33 +154,33 @@ class KvpushWorker:
             compatibility_hash=compatibility_hash(self.vllm_config, layout),
         )
         request.lease_ttl.FromNanoseconds(int(self.config.lease_ttl_s * 1e9))
-        self.session = ControlSession(self.config, f"kvpush-control-tp{self.tp_rank}.pp{self.pp_rank}")
-        lease = self.session.register_rank(request)
-        self.session.keep_alive(request, lease)
+        self.session = session = ControlSession(self.config, f"kvpush-control-tp{self.tp_rank}.pp{self.pp_rank}")
+        lease = session.register_rank(request)
+        session.keep_alive(request, lease)
         poll_s, idle_s = self.config.poll_interval_ms / 1000, self.config.idle_poll_ms / 1000
         clock = SystemClock()
         if self.config.role == "prefill":
-            self.reports = self.session.report_stream(self.config.engine_id)
+            self.reports = session.report_stream(self.config.engine_id)
             local = LocalLayout(layout, self.tp_rank, self.tp_size, device, self.pp_rank, self.pp_size)
-            core = ProducerCore(self.agent, local, self.config.engine_id, self._report_write_result, self.spans, clock,
+            producer_core = ProducerCore(self.agent, local, self.config.engine_id, self._report_write_result, self.spans, clock,
                                 prefill_done=self._report_prefill_done if self.speaks_for_engine else None)
-            self.producer = Producer(core, poll_s, idle_s)
+            self.producer = Producer(producer_core, poll_s, idle_s)
             watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
-            self.session.follow("WatchEngines", lambda: self.session.registrar.watch_engines(watch), self.producer.on_engine_event)
+            session.follow("WatchEngines", lambda: session.registrar.watch_engines(watch), self.producer.on_engine_event)
             orders = rv_pb.StreamWriteOrdersRequest(
                 engine_id=self.config.engine_id, incarnation=self.incarnation, tp_rank=self.tp_rank,
                 pp_rank=self.pp_rank, early_orders=self.config.early_orders,
             )
             # One stream per broker member, each its own generation: orders are only acted on while their stream lives.
-            self.session.follow_members("StreamWriteOrders", lambda broker: broker.stream_write_orders(orders),
+            session.follow_members("StreamWriteOrders", lambda broker: broker.stream_write_orders(orders),
                                         self.producer.open_stream, self.producer.stream_lost)
         else:
             waiting_ms = self.config.waiting_poll_ms
             if waiting_ms is None:  # "auto"
                 waiting_ms = 0 if self.memory_is_device else AUTO_WAITING_POLL_MS
-            core = ConsumerCore(self.agent, self.spans, clock, waiting_poll_s=waiting_ms / 1000 if waiting_ms else None,
+            consumer_core = ConsumerCore(self.agent, self.spans, clock, waiting_poll_s=waiting_ms / 1000 if waiting_ms else None,
                                 fresh_poll_s=self.config.fresh_poll_ms / 1000)
-            self.consumer = Consumer(core, poll_s, idle_s)
+            self.consumer = Consumer(consumer_core, poll_s, idle_s)
         logger.info("kvpush: %s rank tp%d pp%d registered (%s, %d regions, agent %s)", self.config.role, self.tp_rank, self.pp_rank,
                     layout.memory_kind and engine_pb2.MemoryKind.Name(layout.memory_kind), len(layout.regions), name)
 
@@ -254,7 +254,7 @@ class KvpushWorker:
                 request = rv_pb.CancelTransferRequest(detail="prefill request aborted")
                 request.key.transfer_id, request.key.attempt = transfer_id, attempt
                 cancels.append(Report("cancels", request))
-            self.reports.send_many(cancels)
+            self._report_router.send_many(cancels)
 
     def save_kv_layer(self, layer_name: str, meta: KvpushMetadata) -> None:
         """Layer-progressive push: the layer's KV of this step's completing prefills may leave now (on the transfer thread).
@@ -294,10 +294,18 @@ class KvpushWorker:
         # by the hand-over) take the GIL now rather than when this thread next blocks or is forced to switch.
         os.sched_yield()
 
+    @property
+    def _report_router(self) -> ReportRouter:
+        """A prefill rank's reports to the broker (its stream is opened at registration)."""
+        if self.reports is None:
+            raise RuntimeError("kvpush: only a registered prefill rank sends reports to the broker")
+        return self.reports
+
     def _report_write_result(self, request: rv_pb.ReportWriteResultRequest) -> None:
         """On the transfer thread: to the broker member whose order it answers (it holds the attempt, owner or not)."""
+        assert self.producer is not None, "only the producer's transfer thread reports write results"
         to = self.producer.core.answer_member((request.key.transfer_id, request.key.attempt))
-        self.reports.send(Report("write_results", request, to=to))
+        self._report_router.send(Report("write_results", request, to=to))
 
     def _report_prefill_done(self, source: SourceReady) -> None:
         """On the transfer thread, after any WRITE its early order allowed was posted."""
@@ -317,7 +325,7 @@ class KvpushWorker:
                 logger.warning("kvpush: prefill-done of %s/%s failed: %s", source.transfer_id, source.attempt, error)
 
         report = Report("prefill_done", request, answered)
-        self.reports.send(report)
+        self._report_router.send(report)
 
     def get_transfer_results(self, meta: KvpushMetadata | None) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -109,18 +110,33 @@ class Peer:
     ranks: dict[int, PeerRank]
 
 
+class ByteSegments(Protocol):
+    """A WRITE's byte segments as the transport takes them: a layout Plan (the simulation's transport takes its own)."""
+
+    @property
+    def src(self) -> Any: ...
+    @property
+    def dst(self) -> Any: ...
+    @property
+    def lengths(self) -> Any: ...
+    def __len__(self) -> int: ...
+
+
 @dataclass
 class WritePlan:
     """One WRITE to one decode rank: page entries, or byte segments when pages cannot express it."""
 
     d_rank: int
-    plan: Plan | None
+    plan: ByteSegments | None
     expected: int
     pages: PageWrite | None = None
 
     @property
     def descriptors(self) -> int:
-        return len(self.pages) if self.pages is not None else len(self.plan)
+        if self.pages is not None:
+            return len(self.pages)
+        assert self.plan is not None, "a WritePlan holds pages or byte segments"
+        return len(self.plan)
 
 
 def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb2.WriteOrder, peer: Peer,
@@ -146,7 +162,7 @@ def build_write_plans(local: LocalLayout, ready: SourceReady, order: transfer_pb
         mine = [r for r in kv_routes if r.producer == local.tp_rank and r.consumer == d_rank]
         rank = peer.ranks[d_rank]
         expected = notifications_expected(local, d_rank, routes)
-        if local.pages is not None and rank.prepared is not None and len(mine) == 1:
+        if local.pages is not None and rank.pages is not None and rank.prepared is not None and len(mine) == 1:
             group = local.layout.groups[0].group_index
             src = side_of(local.layout, group, ready.blocks[0], 0)
             dst = side_of(rank.layout, group, dst_blocks[group], dst_first[group], local.layers)

@@ -21,10 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "broker": ("kvpush.services.broker.main", "run the rendezvous broker alone, pointed at a registrar"),
     "router": ("kvpush.services.router.main", "run the OpenAI-compatible P/D router"),
     "tokens": ("kvpush.services.common.tokens", "create the per-identity token files of a control plane's --tokens-dir"),
-    "build-model": ("kvpush.tinymodel", "build the deterministic tiny random-weight model"),
+    "build-model": ("kvpush.dev.tinymodel", "build the deterministic tiny random-weight model"),
     "ttft-report": ("kvpush.report.ttft", "render the TTFT breakdown from OTLP traces"),
-    "sim": ("kvpush.sim.run", "run seeded fault-injecting simulations of the whole protocol and check its invariants"),
-    "demo": ("kvpush.demo", "run the local P+D+control-plane+router stack and print results"),
+    "sim": ("kvpush.dev.sim.run", "run seeded fault-injecting simulations of the whole protocol and check its invariants"),
+    "demo": ("kvpush.dev.demo", "run the local P+D+control-plane+router stack and print results"),
 }
 
 

@@ -25,7 +25,7 @@ def group_members(group: int) -> list[int]:
 
 def thread_ids(pids: list[int]) -> list[int]:
     """Ids of every thread of the given processes; processes already gone are skipped."""
-    tids = []
+    tids: list[int] = []
     for pid in pids:
         try:
             tids.extend(thread.id for thread in psutil.Process(pid).threads())

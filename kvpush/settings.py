@@ -38,6 +38,8 @@ class Setting:
     @property
     def dest(self) -> str:
         """The argparse attribute of the flag."""
+        if self.flag is None:
+            raise ValueError("a setting without a flag has no argparse attribute")
         return self.flag.lstrip("-").replace("-", "_")
 
     def expected(self, value: Any) -> str | None:
@@ -67,7 +69,13 @@ class Setting:
 
 def setting(default: Any = dataclasses.MISSING, **declaration: Any) -> Any:
     """A dataclass field declared as a setting; keywords as Setting's fields."""
-    return dataclasses.field(default=default, metadata={_METADATA_KEY: Setting(**declaration)})
+    return dataclasses.field(default=default, metadata=declared(**declaration))
+
+
+def declared(**declaration: Any) -> dict[str, Setting]:
+    """A setting's field metadata. A setting without a default is `dataclasses.field(metadata=declared(...))`:
+    type checkers take any other call for a default, so they would let a field without one follow it."""
+    return {_METADATA_KEY: Setting(**declaration)}
 
 
 class _Repeat(argparse.Action):

@@ -40,7 +40,7 @@ def from_rpc_error(exc: grpc.RpcError) -> errors.KvpushError:
     message = exc.details() if hasattr(exc, "details") else str(exc)
     info = None
     try:
-        info = error_info(exc)  # type: ignore[arg-type]
+        info = error_info(exc)
     except Exception:  # a status without parseable details still maps by code
         info = None
     cls = errors.ERRORS_BY_CODE.get(code.name, errors.KvpushError)

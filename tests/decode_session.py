@@ -13,8 +13,8 @@ from kvpush.connector.control import ControlSession
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.params import TransferParams
 from kvpush.connector.report_stream import Report
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
-from kvpush.services.common import sample_engines as sample
 
 
 class DecodeSession:

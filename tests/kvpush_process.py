@@ -16,7 +16,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvpush.localstack.process import GroupProcess, wait_for_port_file
+from kvpush.dev.localstack.process import GroupProcess, wait_for_port_file
 
 START_TIMEOUT_S = 20.0
 T = 5.0  # a health check's deadline

@@ -19,6 +19,14 @@ def test_ruff_check_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_mypy_is_clean():
+    """mypy over kvpush/, services/ and connector/ (kvpush.dev.typecheck) reports no error."""
+    from kvpush.dev import typecheck
+
+    result = typecheck.run(timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 # Other ways to take a percentile, each its own definition: every report and benchmark uses kvpush.report.percentiles.
 OTHER_PERCENTILES = ("np.percentile(", "numpy.percentile(", "statistics.quantiles(", "np.quantile(", "def percentile(")
 
@@ -38,10 +46,9 @@ def test_every_percentile_comes_from_the_one_definition():
 
 # Where each installed package's modules live (pyproject.toml's package-dir).
 PACKAGE_DIRS = {"kvpush.services": "services", "kvpush.connector": "connector", "kvpush": "kvpush"}
-# Development tooling inside the packages: the local stack, the simulation, the tiny models, sample messages and the
-# test etcd cluster. What ships into an engine or a service imports none of it.
-TOOLING = ("kvpush.localstack", "kvpush.sim", "kvpush.demo", "kvpush.tinymodel", "kvpush.codegen", "kvpush.etcd.cluster",
-           "kvpush.services.common.sample_engines")
+# Development tooling: the local stack, the simulation, the demo, the tiny models, codegen, the test etcd cluster and
+# sample messages, all in one package.
+TOOLING = "kvpush.dev"
 # The grpc-free cores the servicers wrap.
 CORES = ("kvpush.services.registrar.core", "kvpush.services.broker.core")
 
@@ -83,10 +90,11 @@ def runtime_modules() -> list[tuple[str, pathlib.Path]]:
 
 
 def is_tooling(name: str) -> bool:
-    return any(name == t or name.startswith(t + ".") for t in TOOLING)
+    return name == TOOLING or name.startswith(TOOLING + ".")
 
 
-def test_what_ships_imports_no_benchmark_test_or_tooling_code():
+def test_what_ships_imports_nothing_from_kvpush_dev_bench_or_tests():
+    """What ships imports nothing from kvpush.dev, bench or tests."""
     found = [f"{name} imports {imported}" for name, path in runtime_modules() for imported in sorted(imported_names(path))
              if imported.partition(".")[0] in ("bench", "tests") or is_tooling(imported)]
     assert not found, found

@@ -19,8 +19,8 @@ from bench.chaos.scaled_faults import RECOVER_TIMEOUT_S, ScaledFaults
 from bench.chaos.settings import DECODE_ID, FAULTS, HANG_SLACK_S, HOLD_MARGIN_S, PREFILL_ID, PROMPT_LENGTHS, ROLES, Settings
 from bench.chaos.stack import Stack
 from kvpush.client import ClientConfig, ShardedBrokerClient
-from kvpush.localstack.completions import completion_body
-from kvpush.localstack.transfers import new_transfer_id, transfer_params
+from kvpush.dev.localstack.completions import completion_body
+from kvpush.dev.localstack.transfers import new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 

@@ -13,7 +13,7 @@ from bench.chaos.log import Log
 from bench.chaos.outcomes import Outcome, classify
 from bench.chaos.settings import HANG_SLACK_S, MAX_TOKENS_CHOICES, STREAM_SHARE, Settings
 from bench.chaos.stack import Stack
-from kvpush.localstack.completions import completion_body
+from kvpush.dev.localstack.completions import completion_body
 
 
 class Load:

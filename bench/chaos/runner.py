@@ -19,8 +19,8 @@ from bench.chaos.report import format_report, summarize_totals, verdict
 from bench.chaos.settings import EMBEDDED_ONLY, FAULTS, SCALED_ONLY, Settings
 from bench.chaos.soak import soak_both, soak_verdict
 from bench.chaos.stack import Stack
-from kvpush.localstack.process import interrupt_on_signals
-from kvpush.tinymodel import build_tiny_model, default_model_dir
+from kvpush.dev.localstack.process import interrupt_on_signals
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 
 
 def run(settings: Settings, *, quiet: bool = False) -> dict[str, Any]:

@@ -17,8 +17,8 @@ import time
 from collections.abc import Sequence
 
 from bench.chaos.settings import DECODE_ID, HANG_SLACK_S, HOLD_MARGIN_S, PARTITIONED_MEMBER, PREFILL_ID, PROMPT_LENGTHS
-from kvpush.localstack.completions import Completion, HttpError
-from kvpush.localstack.transfers import Dispatch, dispatch, new_transfer_id
+from kvpush.dev.localstack.completions import Completion, HttpError
+from kvpush.dev.localstack.transfers import Dispatch, dispatch, new_transfer_id
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.shards import owner
 

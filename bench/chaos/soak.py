@@ -16,10 +16,10 @@ from bench.chaos.log import Log
 from bench.chaos.settings import SOAK_DECODE_ID, SOAK_PREFILL_ID, Settings
 from bench.chaos.stack import Stack
 from kvpush.client import BrokerClient, ClientConfig, RegistrarClient
+from kvpush.dev import sample_engines as sample
 from kvpush.processes import pss_bytes, rss_bytes
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
-from kvpush.services.common import sample_engines as sample
 
 # Soak: "near its baseline" means back within this much of the RSS before, or within this share of the peak's growth.
 SOAK_RSS_SLACK_BYTES = 16 * 1024 * 1024

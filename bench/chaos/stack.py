@@ -3,7 +3,7 @@
 """The local stack under chaos: control plane, P's proxy, P and D engines and the router, each one killable and restartable.
 
 With settings.scaled the control plane is the scaled-out form instead (an
-etcd cluster, registrar replicas, broker shards; kvpush.localstack.scaled)
+etcd cluster, registrar replicas, broker shards; kvpush.dev.localstack.scaled)
 and P reaches it directly: there is no proxy to cut.
 """
 
@@ -31,14 +31,14 @@ from bench.chaos.settings import (
     Settings,
 )
 from bench.tcp_proxy import TcpProxy
-from kvpush.localstack.completions import Completion, completion_body
-from kvpush.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import ServerHandle, reference_run, start_vllm_server
-from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks, scrape_metrics
-from kvpush.localstack.process import free_port
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.router import RouterHandle, start_router
-from kvpush.localstack.scaled import ScaledControlPlane, ScaledSpec, direct
+from kvpush.dev.localstack.completions import Completion, completion_body
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import ServerHandle, reference_run, start_vllm_server
+from kvpush.dev.localstack.metrics import free_kv_blocks, num_kv_blocks, scrape_metrics
+from kvpush.dev.localstack.process import free_port
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.router import RouterHandle, start_router
+from kvpush.dev.localstack.scaled import ScaledControlPlane, ScaledSpec, direct
 
 ENGINE_START_TIMEOUT_S = 240.0
 
@@ -56,7 +56,7 @@ class Stack:
         self.cp: ControlPlaneHandle | None = None
         self.scaled: ScaledControlPlane | None = None
         self.proxy: TcpProxy | None = None
-        # The partition faults' proxies in front of one broker member, by path (kvpush.localstack.scaled.Front).
+        # The partition faults' proxies in front of one broker member, by path (kvpush.dev.localstack.scaled.Front).
         self.fronts: dict[str, TcpProxy] = {}
         self.engines: dict[str, ServerHandle] = {}
         self.ports: dict[str, int] = {}

@@ -4,7 +4,7 @@
 
 Reproduces the study in /work/shared/seed (TTFT and TPOT against QPS, one
 panel per input length) with three P/D stacks of the same tiny model and the
-same engine flags (kvpush.localstack.engines; prefix caching off on P and D),
+same engine flags (kvpush.dev.localstack.engines; prefix caching off on P and D),
 every P pinned to CPU 0 and every D to CPU 1:
 
 * kvpush: `KvpushConnector` on both engines, the kvpush control plane and
@@ -32,7 +32,7 @@ each burn a core) only one mode's stack runs: the modes alternate per pass
 over the points instead, one stack start per mode and pass.
 
 Every run is checked: a sample of its requests must give the greedy token
-ids of a single ordinary engine (`kvpush.localstack.engines.reference_run`, computed up front)
+ids of a single ordinary engine (`kvpush.dev.localstack.engines.reference_run`, computed up front)
 with logprobs within 1e-3, and the KV must have moved: kvpush, the broker's
 `bytes_written` per transfer equals the whole 128-token blocks of every prompt token but the last ×
 2,048 B/token (2 layers × K and V × 2 KV heads × 64 × 4 B); upstream, the

@@ -18,9 +18,9 @@ from bench.pyspy import MISSING as PYSPY_MISSING
 from bench.pyspy import pyspy_binary
 from bench.sweep.report import report
 from bench.sweep.runner import run_sweep
-from kvpush.localstack.stack import MODES
+from kvpush.dev.localstack.stack import MODES
+from kvpush.dev.tinymodel.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE
 from kvpush.processes import parse_cpu_list
-from kvpush.tinymodel.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE
 
 
 def _numbers(kind):

@@ -8,7 +8,7 @@ import dataclasses
 import random
 from collections.abc import Sequence
 
-from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.prompts import prompt_token_ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.sweep.grid import Workload
-from kvpush.localstack.completions import completion_body
-from kvpush.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.completions import completion_body
+from kvpush.dev.localstack.prompts import prompt_token_ids
 from kvpush.sse import DONE, sse_payloads_async
 
 WARMUP_PREFIX = "warmup-"

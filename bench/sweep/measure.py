@@ -13,13 +13,13 @@ from typing import Any
 
 from bench.sweep.grid import Point
 from bench.sweep.stacks import ModeStack
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle
+from kvpush.dev.localstack.metrics import scrape_metrics
 from kvpush.layout.geometry import window_first_token
-from kvpush.localstack.control_plane import ControlPlaneHandle
-from kvpush.localstack.metrics import scrape_metrics
 from kvpush.report.breakdown import breakdown
 from kvpush.telemetry import FIRST_TOKEN_EVENT, trace_id_ratio_sampled
 
-# Tiny-model geometry (kvpush.tinymodel): 2 layers × K and V × 2 KV heads × 64
+# Tiny-model geometry (kvpush.dev.tinymodel): 2 layers × K and V × 2 KV heads × 64
 # channels × 4 bytes (float32) per token; vLLM CPU's block size.
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
 BLOCK_SIZE = 128

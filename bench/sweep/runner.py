@@ -19,9 +19,9 @@ from bench.sweep.measure import kv_geometry
 from bench.sweep.report import report, write_json
 from bench.sweep.runs import describe, run_point, skipped_result
 from bench.sweep.stacks import ModeStack, start_stack
-from kvpush.localstack.completions import Completion
-from kvpush.localstack.engines import reference_run
-from kvpush.localstack.process import interrupt_on_signals
+from kvpush.dev.localstack.completions import Completion
+from kvpush.dev.localstack.engines import reference_run
+from kvpush.dev.localstack.process import interrupt_on_signals
 
 
 def compute_references(model_dir: Path, workloads: Sequence[Workload], log_dir: Path, prefix_caching: bool = False) -> dict[tuple[Point, int], Completion]:
@@ -39,7 +39,7 @@ def compute_references(model_dir: Path, workloads: Sequence[Workload], log_dir: 
 def run_sweep(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from kvpush.tinymodel import build_tiny_model, default_model_dir
+    from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 
     results_dir: Path = args.results_dir
     results_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ from bench.sweep.measure import (
 )
 from bench.sweep.stacks import DECODE_CPUS, NIXL_POLL_DELAY_US, PREFILL_CPUS, ModeStack
 from bench.sweep.summary import check_correctness, stats, summarize
-from kvpush.localstack.completions import Completion
+from kvpush.dev.localstack.completions import Completion
 from kvpush.processes import thread_cpu_seconds, thread_runqueue_wait_seconds
 
 METRICS_SETTLE_TIMEOUT_S = 5.0

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.upstream import engine_hooks_env
-from kvpush.localstack.control_plane import ControlPlaneHandle
-from kvpush.localstack.engines import ServerHandle
-from kvpush.localstack.stack import Stack, StackSpec
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle
+from kvpush.dev.localstack.engines import ServerHandle
+from kvpush.dev.localstack.stack import Stack, StackSpec
 from kvpush.processes import cpu_seconds
 from kvpush.telemetry import read_spans
 

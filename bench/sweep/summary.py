@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.sweep.grid import Point, Workload
 from bench.sweep.load import RequestRecord
-from kvpush.localstack.completions import Completion, max_logprob_diff
+from kvpush.dev.localstack.completions import Completion, max_logprob_diff
 from kvpush.report.percentiles import percentile
 
 LOGPROB_ATOL = 1e-3

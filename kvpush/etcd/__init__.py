@@ -1,2 +1,2 @@
 # SPDX-License-Identifier: Apache-2.0
-"""etcd v3 client, lease keeper and test cluster for kvpush's scaled-out control plane."""
+"""etcd v3 client and lease keeper for kvpush's scaled-out control plane."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -25,7 +25,7 @@ from google.protobuf.message import Message
 from kvpush import errors, status
 from kvpush.etcd.v1 import etcd_pb2 as pb
 
-T = TypeVar("T")
+T = TypeVar("T", bound=Message)
 
 _RANGE = "/etcdserverpb.KV/Range"
 _PUT = "/etcdserverpb.KV/Put"
@@ -230,7 +230,7 @@ class EtcdClient:
     async def _unary(self, method: str, request: Message, response_type: type[T], *, retry: bool) -> T:
         async def attempt(channel: grpc.aio.Channel, timeout_s: float) -> T:
             call = channel.unary_unary(method, request_serializer=type(request).SerializeToString,
-                                       response_deserializer=response_type.FromString)  # type: ignore[attr-defined]
+                                       response_deserializer=response_type.FromString)
             return await call(request, timeout=timeout_s)
 
         return await self._call(attempt, retry=retry)
@@ -324,7 +324,7 @@ class EtcdClient:
 
     # Watch.
 
-    async def watch_prefix(self, prefix: bytes, *, start_revision: int = 0, prev_kv: bool = False) -> AsyncIterator[WatchBatch]:
+    async def watch_prefix(self, prefix: bytes, *, start_revision: int = 0, prev_kv: bool = False) -> AsyncGenerator[WatchBatch, None]:
         """Yields every change under prefix from start_revision (0: from now on) in batches.
 
         Raises Compacted when start_revision is no longer in etcd's history;

@@ -100,7 +100,7 @@ class RequestBreakdown:
     def handoff_overhead_ms(self) -> float | None:
         """TTFT minus the two computations it cannot avoid: P's prefill and D's first decode step."""
         ttft, prefill, step = self.ttft_ms, self.segments["p_prefill"], self.segments["d_first_decode_step"]
-        return None if None in (ttft, prefill, step) else ttft - prefill - step
+        return None if ttft is None or prefill is None or step is None else ttft - prefill - step
 
     @property
     def owned_handoff_ms(self) -> float | None:
@@ -180,9 +180,14 @@ def _request_instants(root: dict[str, Any], related: list[dict[str, Any]]) -> di
     }
 
 
+def _between_ms(start: int | None, end: int | None) -> float | None:
+    return None if start is None or end is None else (end - start) / 1e6
+
+
 def _clamp(instants: dict[str, int | None]) -> tuple[dict[str, int | None], bool]:
     """Makes present instants non-decreasing in chain order and bounded by the request's start and first token."""
     low = instants["request"]
+    assert low is not None, "the request's own span always gives its start"
     high = instants["first_token"]
     clamped = False
     result: dict[str, int | None] = {}
@@ -240,9 +245,7 @@ def breakdown(spans: Iterable[dict[str, Any]], *, request_id_prefix: str = "") -
             if s is not root and s["attributes"].get(ATTR_TRANSFER_ID, transfer_id) == transfer_id and int(s["attributes"].get(ATTR_ATTEMPT, attempt)) == attempt
         ]
         instants, clamped = _clamp(_request_instants(root, related))
-        segments = {
-            s.name: None if instants[s.start] is None or instants[s.end] is None else (instants[s.end] - instants[s.start]) / 1e6 for s in SEGMENTS
-        }
+        segments = {s.name: _between_ms(instants[s.start], instants[s.end]) for s in SEGMENTS}
         details = {name: _duration_ms([s for s in related if s["name"] == span_name]) for name, _, span_name in DETAILS}
         requests.append(
             RequestBreakdown(

@@ -84,7 +84,8 @@ def _stacked_svg(requests: list[RequestBreakdown]) -> str:
 
 def _waterfall_svg(index: int, request: RequestBreakdown) -> str:
     """The request's segments on its own time axis, one row each, offset by when they start."""
-    present = [(s, request.segments[s.name], request.instants[s.start]) for s in SEGMENTS if request.segments[s.name] is not None]
+    # A segment is present only where both its instants are (breakdown.py).
+    present = [(s, value, start) for s in SEGMENTS if (value := request.segments[s.name]) is not None and (start := request.instants[s.start]) is not None]
     end = max(((start - request.start_ns) / 1e6 + value for _, value, start in present), default=0.0)
     scale = CHART_WIDTH / max(end, 1e-9)
     height = len(SEGMENTS) * (BAR_HEIGHT + 2) + 4
@@ -92,11 +93,11 @@ def _waterfall_svg(index: int, request: RequestBreakdown) -> str:
     for row, segment in enumerate(SEGMENTS):
         y = 2 + row * (BAR_HEIGHT + 2)
         parts.append(f'<text x="0" y="{y + BAR_HEIGHT - 4}" font-size="11">{html.escape(segment.label)}</text>')
-        value = request.segments[segment.name]
-        if value is None:
+        value, start = request.segments[segment.name], request.instants[segment.start]
+        if value is None or start is None:
             parts.append(f'<text x="{LABEL_WIDTH}" y="{y + BAR_HEIGHT - 4}" font-size="11" fill="#888">no span</text>')
             continue
-        offset = (request.instants[segment.start] - request.start_ns) / 1e6
+        offset = (start - request.start_ns) / 1e6
         x, width = LABEL_WIDTH + offset * scale, value * scale
         parts.append(
             f'<rect class="waterfall-bar" data-segment="{segment.name}" x="{x:.2f}" y="{y}" width="{max(width, 0.5):.2f}" height="{BAR_HEIGHT}" '

@@ -67,6 +67,7 @@ def _omit_defaults(fields: dict[str, Any]) -> dict[str, Any]:
 
 def _span(span: ReadableSpan) -> dict[str, Any]:
     context = span.get_span_context()
+    assert context is not None, "the SDK makes every span with its context"
     trace_state = ",".join(f"{key}={value}" for key, value in context.trace_state.items()) if context.trace_state is not None else ""
     status = span.status
     return _omit_defaults({

@@ -22,7 +22,7 @@ from kvpush.services.broker import checks
 from kvpush.services.broker.attempts import Attempt
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.machine import AttemptMachine
-from kvpush.services.broker.plans import DECODE, PREFILL, Planner, check_blocks
+from kvpush.services.broker.plans import DECODE, PREFILL, EngineInfo, Plan, Planner, check_blocks
 from kvpush.services.broker.store import AttemptStore
 from kvpush.services.common import validation
 
@@ -40,7 +40,7 @@ class Arrivals:
         self._find_held = find_held  # the attempt if this member holds it, once any membership change is acted on
         self._check_owner = check_owner  # refuses (NOT_SHARD_OWNER) a transfer another member owns
 
-    def arrive(self, side: int, request, caller_engine_id: str, parent: Context | None) -> Attempt:
+    def arrive(self, side: tr_pb.TransferSide, request, caller_engine_id: str, parent: Context | None) -> Attempt:
         """Checks one side's arrival and moves its attempt: waits for the other side, or matches and orders the WRITEs."""
         decode = side == a.DECODE_SIDE
         transfer_id, number = checks.check_key(request.key)
@@ -74,7 +74,8 @@ class Arrivals:
         )
         validation.check_text(request.client_request_id, "client_request_id", self._config.max_text_length, required=False)
         peer_id, peer_field = (request.prefill_engine_id, "prefill_engine_id") if decode else (request.decode_engine_id, "decode_engine_id")
-        plan = peer_info = None
+        plan: Plan | None = None
+        peer_info: EngineInfo | None = None
         if decode or peer_id:
             peer_info = self._planner.engine(peer_id, PREFILL if decode else DECODE, peer_field)
             p_info, d_info = (peer_info, my_info) if decode else (my_info, peer_info)
@@ -96,6 +97,7 @@ class Arrivals:
         if not decode and att.state == a.DONE:
             # Early orders let every producer rank write before rank 0's
             # report arrived: the report is late, not wrong.
+            assert att.dest is not None, "DONE: the decode side registered"
             self._check_token_counts(att, mine, att.dest.destination, side, now)
             att.src, att.rejection = request, None  # an earlier refused report is not this one's answer
             att.note(a.TL_PREFILL_DONE, now, mine.engine_id)
@@ -116,6 +118,7 @@ class Arrivals:
             att.client_request_id = request.client_request_id
         if decode:
             self._store.bind_decode(att, mine.engine_id, mine.incarnation)
+            assert peer_info is not None, "the decode side always names its prefill engine"
             self._store.bind_prefill(att, peer_id, peer_info.engine.incarnation, peer_info.rank_keys)
             att.plan = plan
         else:
@@ -129,12 +132,17 @@ class Arrivals:
             if created:
                 self._machine.supersede_older(att, now)
             return att
-        src, dest = (att.src.source, mine) if decode else (mine, att.dest.destination)
+        if decode:
+            assert att.src is not None, "other is att.src"
+            src, dest = att.src.source, mine
+        else:
+            assert att.dest is not None, "other is att.dest"
+            src, dest = mine, att.dest.destination
         self._check_token_counts(att, src, dest, side, now)
         self._machine.match(att, parent, now)
         return att
 
-    def _check_token_counts(self, att: Attempt, src: tr_pb.Source, dest: tr_pb.Destination, second: int, now: float) -> None:
+    def _check_token_counts(self, att: Attempt, src: tr_pb.Source, dest: tr_pb.Destination, second: tr_pb.TransferSide, now: float) -> None:
         """The rendezvous completes only if P computed every token D wants; else both sides fail."""
         error = checks.token_count_mismatch(src, dest, second)
         if error is None:

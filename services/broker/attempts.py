@@ -16,8 +16,13 @@ lands within `write_timeout` of its post (the rank aborts it then).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
+
+if TYPE_CHECKING:
+    from kvpush.services.broker.plans import Plan  # plans.py imports RankKey from here
 
 # (engine_id, incarnation, tp_rank, pp_rank): one producer rank.
 RankKey = tuple[str, str, int, int]
@@ -118,10 +123,10 @@ class Attempt:
         self.transfer_id = transfer_id
         self.number = number
         self.key = tr_pb.TransferKey(transfer_id=transfer_id, attempt=number)
-        self.state = NEW
-        self.end_reason = tr_pb.END_REASON_UNSPECIFIED
+        self.state: tr_pb.TransferState = NEW
+        self.end_reason: tr_pb.EndReason = tr_pb.END_REASON_UNSPECIFIED
         self.detail = ""
-        self.first_arrival = tr_pb.TRANSFER_SIDE_UNSPECIFIED
+        self.first_arrival: tr_pb.TransferSide = tr_pb.TRANSFER_SIDE_UNSPECIFIED
         self.first_time = now
         self.client_request_id = ""
         self.dest: rv_pb.RegisterDestinationRequest | None = None
@@ -138,7 +143,7 @@ class Attempt:
         # Not forgotten before this (monotonic): a refused registration's
         # identical late copy must find this record until its deadline.
         self.keep_until = now
-        self.plan = None
+        self.plan: Plan | None = None  # set by the decode side's arrival (the prefill side's, once it names its decode engine)
         self.orders: dict[RankKey, OrderRecord] = {}
         self.written = 0
         self.bytes_written = 0
@@ -147,7 +152,7 @@ class Attempt:
         self.fenced = False
         # rejection: (side, error) when the second arrival was refused and
         # failed the attempt, so an identical repeat gets the same error.
-        self.rejection: tuple[int, Exception] | None = None
+        self.rejection: tuple[tr_pb.TransferSide, Exception] | None = None
 
     @property
     def ended(self) -> bool:

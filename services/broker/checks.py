@@ -58,7 +58,7 @@ def check_write_result(request: rv_pb.ReportWriteResultRequest, caller_engine_id
     return key
 
 
-def same_arrival(recorded, request, side: int) -> bool:
+def same_arrival(recorded, request, side: tr_pb.TransferSide) -> bool:
     """Whether request repeats the side's recorded request (a retry, answered as the first was)."""
     if side == a.DECODE_SIDE:
         return (recorded.destination == request.destination and recorded.prefill_engine_id == request.prefill_engine_id
@@ -66,9 +66,10 @@ def same_arrival(recorded, request, side: int) -> bool:
     return recorded.source == request.source and recorded.decode_engine_id == request.decode_engine_id and recorded.client_request_id == request.client_request_id
 
 
-def check_sides_agree(att: Attempt, request, side: int) -> None:
+def check_sides_agree(att: Attempt, request, side: tr_pb.TransferSide) -> None:
     """The second arrival must name the engines the first one did."""
     if side == a.DECODE_SIDE:
+        assert att.src is not None, "called for the second arrival: the prefill side came first"
         dest, src = request.destination, att.src.source
         if src.engine_id != request.prefill_engine_id:
             raise invalid(f"prefill-done for this attempt came from engine {src.engine_id!r}", "prefill_engine_id")
@@ -80,6 +81,7 @@ def check_sides_agree(att: Attempt, request, side: int) -> None:
             )
         return
     src, dest_req = request.source, att.dest
+    assert dest_req is not None, "called for the second arrival: the decode side came first"
     if dest_req.prefill_engine_id != src.engine_id:
         raise invalid(f"the decode side registered for prefill engine {dest_req.prefill_engine_id!r}", "source.engine_id")
     if att.p_incarnation != src.incarnation:
@@ -90,7 +92,7 @@ def check_sides_agree(att: Attempt, request, side: int) -> None:
         raise invalid(f"decode engine {dest_req.destination.engine_id!r} registered for this attempt", "decode_engine_id")
 
 
-def token_count_mismatch(src: tr_pb.Source, dest: tr_pb.Destination, second: int) -> FailedPrecondition | None:
+def token_count_mismatch(src: tr_pb.Source, dest: tr_pb.Destination, second: tr_pb.TransferSide) -> FailedPrecondition | None:
     """The refusal of a rendezvous in which P computed fewer tokens than D wants (None: enough)."""
     needed = dest.first_token + dest.num_tokens
     if src.num_tokens >= needed:

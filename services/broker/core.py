@@ -37,7 +37,7 @@ from kvpush.services.broker.attempts import Attempt, rank_name
 from kvpush.services.broker.cancels import Actor, actor_of, authorize
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.machine import AttemptMachine
-from kvpush.services.broker.mailboxes import Mailboxes, Subscription
+from kvpush.services.broker.mailboxes import DecodeMailbox, Mailboxes, ProducerMailbox, Subscription
 from kvpush.services.broker.membership import Membership, ShardWatches, StaticMembership
 from kvpush.services.broker.messages import Messages
 from kvpush.services.broker.metrics import BrokerMetrics
@@ -154,6 +154,7 @@ class BrokerCore:
             fenced = error.reason not in SHARD_REASONS and self._machine.refuse_registration(request, caller_engine_id, error)
             error.metadata["fenced"] = "true" if fenced else "false"
             raise
+        assert att.plan is not None, "the decode side's arrival sets the plan"
         response = rv_pb.RegisterDestinationResponse(
             # The decode side may reuse its blocks now only if the attempt ended without them.
             state=att.state, first_arrival=att.first_arrival, expected_notifications=att.plan.expected, fenced=att.fenced and att.state != a.DONE
@@ -231,10 +232,10 @@ class BrokerCore:
             if record is None or not record.attempts:
                 raise NotFound(f"transfer {transfer_id} is not known", reason=Reason.TRANSFER_NOT_FOUND, field="key.transfer_id")
             live = [att for att in record.attempts.values() if not att.ended]
-            for att in live:
-                authorize(att, actor, caller_engine_id)
-            for att in live:
-                self._machine.end(att, a.CANCELLED, actor.value, detail, now)
+            for live_att in live:
+                authorize(live_att, actor, caller_engine_id)
+            for live_att in live:
+                self._machine.end(live_att, a.CANCELLED, actor.value, detail, now)
             latest = record.attempts[max(record.attempts)]
             return rv_pb.CancelTransferResponse(state=latest.state, fenced=all(att.fenced for att in record.attempts.values()))
         att = self._store.find(transfer_id, number)
@@ -272,7 +273,7 @@ class BrokerCore:
 
     # ----- streams -----
 
-    def subscribe_producer(self, request: rv_pb.StreamWriteOrdersRequest, caller_engine_id: str) -> Subscription:
+    def subscribe_producer(self, request: rv_pb.StreamWriteOrdersRequest, caller_engine_id: str) -> Subscription[ProducerMailbox]:
         """Claims a producer rank's mailbox for one stream (replacing any earlier one) and queues everything still owed to it."""
         checks.check_caller(request.engine_id, caller_engine_id, "engine_id")
         self._mailboxes.check_open()
@@ -290,7 +291,7 @@ class BrokerCore:
         subscription.outbox.limit(self._config.outbox_capacity)  # the resync always fits; what follows may overflow
         return subscription
 
-    def subscribe_decode(self, request: rv_pb.StreamTransferEventsRequest, caller_engine_id: str) -> Subscription:
+    def subscribe_decode(self, request: rv_pb.StreamTransferEventsRequest, caller_engine_id: str) -> Subscription[DecodeMailbox]:
         """Claims a decode engine's event mailbox for one stream and queues its recent final events and pending failures."""
         checks.check_caller(request.engine_id, caller_engine_id, "engine_id")
         self._mailboxes.check_open()

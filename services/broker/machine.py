@@ -29,7 +29,7 @@ from kvpush.services.broker import attempts as a
 from kvpush.services.broker import checks
 from kvpush.services.broker.attempts import Attempt, OrderRecord, RankKey, rank_name
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.broker.mailboxes import Mailboxes, ProducerMailbox, Subscription
+from kvpush.services.broker.mailboxes import DecodeMailbox, Mailboxes, ProducerMailbox, Subscription
 from kvpush.services.broker.messages import Messages
 from kvpush.services.broker.metrics import BrokerMetrics
 from kvpush.services.broker.plans import Planner
@@ -84,7 +84,7 @@ class AttemptMachine:
 
     # ----- live transitions -----
 
-    def wait(self, att: Attempt, side: int, parent: Context | None, now: float) -> None:
+    def wait(self, att: Attempt, side: tr_pb.TransferSide, parent: Context | None, now: float) -> None:
         """The first side arrived: wait for the other (and send early orders to ranks that asked for them)."""
         decode = side == a.DECODE_SIDE
         att.first_arrival = side
@@ -105,6 +105,7 @@ class AttemptMachine:
 
     def send_orders(self, att: Attempt, now: float, *, full: bool) -> None:
         """Sends one order to each producer rank not yet ordered (early: only to ranks with an early-order stream)."""
+        assert att.plan is not None, "orders go out once the decode side registered, which sets the plan"
         sent = 0
         for rank_key, _ in att.plan.orders:
             if rank_key in att.orders:
@@ -135,6 +136,7 @@ class AttemptMachine:
     def supersede_older(self, att: Attempt, now: float) -> None:
         """A new attempt supersedes every older live one of its transfer."""
         record = self._store.record(att.transfer_id)
+        assert record is not None, "att is one of its attempts"
         record.newest = max(record.newest, att.number)
         for older in list(record.attempts.values()):
             if older.number < att.number and not older.ended:
@@ -155,7 +157,7 @@ class AttemptMachine:
         self._store.settle(att, now)
         self._announce_end(att)
 
-    def end(self, att: Attempt, state: int, reason: int, detail: str, now: float) -> None:
+    def end(self, att: Attempt, state: tr_pb.TransferState, reason: tr_pb.EndReason, detail: str, now: float) -> None:
         """Ends a live attempt without the KV: revoke unanswered orders, release producers, fence when safe."""
         self._store.set_state(att, state)
         att.end_reason = reason
@@ -238,7 +240,7 @@ class AttemptMachine:
         superseded = record is not None and key.attempt < record.newest
         att.keep_until = keep_until
         att.d_engine_id, att.d_incarnation = caller, request.destination.incarnation
-        if superseded:
+        if record is not None and superseded:
             self.end(att, a.SUPERSEDED, tr_pb.END_REASON_SUPERSEDED, f"attempt {record.newest} superseded it", now)
         else:
             self.end(att, a.FAILED, tr_pb.END_REASON_REGISTRATION_REFUSED, error.message[: self._config.max_text_length], now)
@@ -262,7 +264,7 @@ class AttemptMachine:
             if att.ended and owes_closure(att, rank_key):
                 mailbox.put(self._messages.closed(att))
 
-    def resync_decode(self, subscription: Subscription) -> None:
+    def resync_decode(self, subscription: Subscription[DecodeMailbox]) -> None:
         """Queues the decode engine's recent final events again, and a FAILED event for each ended attempt not yet fenced."""
         mailbox = subscription.mailbox
         engine_id, incarnation = mailbox.key
@@ -286,7 +288,7 @@ class AttemptMachine:
                 closed = closed or self._messages.closed(att)
                 mailbox.put(closed)
 
-    def _notify_decode(self, att: Attempt, event_type: int) -> None:
+    def _notify_decode(self, att: Attempt, event_type: tr_pb.TransferEventType) -> None:
         if att.dest is None:
             return  # the decode side never registered: nothing of it to release
         mailbox = self._mailboxes.decoder((att.d_engine_id, att.d_incarnation), self._clock.now())

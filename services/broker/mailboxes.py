@@ -17,6 +17,7 @@ attached for stream_lease, nothing the broker sent can still be acted on.
 from __future__ import annotations
 
 from collections import deque
+from typing import Generic, Self, TypeVar
 
 from kvpush.errors import Reason, Unavailable
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
@@ -27,14 +28,16 @@ from kvpush.services.common.outbox import Outbox
 DecodeKey = tuple[str, str]  # (engine_id, incarnation)
 # How many final events a decode engine's new stream gets again.
 RESYNC_EVENTS = 4096
+# A subscription's mailbox, so a decode stream's subscription says it holds a DecodeMailbox.
+MailboxT = TypeVar("MailboxT", bound="_Mailbox")
 
 
-class Subscription:
+class Subscription(Generic[MailboxT]):
     """One stream's claim on a mailbox; a newer subscription for the same key replaces it."""
 
     __slots__ = ("mailbox", "outbox", "event_types")
 
-    def __init__(self, mailbox: ProducerMailbox | DecodeMailbox, event_types: frozenset[int] | None = None):
+    def __init__(self, mailbox: MailboxT, event_types: frozenset[int] | None = None):
         self.mailbox = mailbox
         # Unbounded while the core queues the resync; BrokerCore bounds it after.
         self.outbox: Outbox = Outbox(None)
@@ -65,8 +68,8 @@ class _Mailbox:
         if subscriber is not None:
             subscriber.outbox.put(message)
 
-    def claim(self, event_types: frozenset[int] | None = None) -> Subscription:
-        subscription = Subscription(self, event_types)  # type: ignore[arg-type]
+    def claim(self, event_types: frozenset[int] | None = None) -> Subscription[Self]:
+        subscription = Subscription(self, event_types)
         previous = self.subscriber
         self.subscriber = subscription
         if previous is not None:
@@ -185,8 +188,8 @@ class Mailboxes:
         for key, mailbox in self._producers.items():
             if key[0] == engine_id and not mailbox.closed and self._planner.rank_lost(key):
                 mailbox.close(now)
-        for key in [k for k in self._decoders if k[0] == engine_id and self._planner.engine_lost(*k)]:
-            self._decoders.pop(key).close(now)
+        for decoder in [k for k in self._decoders if k[0] == engine_id and self._planner.engine_lost(*k)]:
+            self._decoders.pop(decoder).close(now)
 
     def prune(self, horizon: float) -> None:
         """Forgets producer mailboxes closed before horizon: nothing sent through them can still be acted on."""

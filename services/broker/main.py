@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+from collections.abc import Awaitable, Callable
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -54,11 +55,8 @@ REACH_CHECK_S = 0.25
 def _registrar_channel(server_config: ServerConfig, target: str) -> grpc.aio.Channel:
     if server_config.mtls:
         # The broker's own certificate (common name "broker") is its identity towards the registrar.
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=server_config.tls_ca.read_bytes(),
-            private_key=server_config.tls_key.read_bytes(),
-            certificate_chain=server_config.tls_cert.read_bytes(),
-        )
+        cert, key, ca = server_config.tls_pems()
+        credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
         return grpc.aio.secure_channel(target, credentials)
     return grpc.aio.insecure_channel(target)
 
@@ -132,7 +130,8 @@ async def serve(
     metrics = MetricsServer(server_config, registry)
 
     background = [directory.run(), deadlines.run(), _follow_health(running, directory, broker)]
-    before_stop, after_stop = [broker.close], [metrics.close, channel.close]
+    before_stop: list[Callable[[], Awaitable[None] | None]] = [broker.close]
+    after_stop: list[Callable[[], Awaitable[None] | None]] = [metrics.close, channel.close]
     if membership is not None:
         membership.address = shards.address(server_config.listen, running.port)
         background.append(membership.run())
@@ -141,6 +140,7 @@ async def serve(
         # A stopping member leaves the map first (at once, not a lease ttl later), so callers go to the new owners;
         # its live attempts end BROKER_SHARD_LOST while their streams are still open.
         before_stop.insert(0, membership.close)
+        assert etcd is not None, "membership is built only on etcd"
         after_stop.append(etcd.close)
     announce("broker", server_config, running.port, metrics.port)
     return await serve_until_signalled(running, server_config, background=background, before_stop=before_stop, after_stop=after_stop)

@@ -141,7 +141,7 @@ def shard_map(membership: Membership) -> rv_pb.WatchShardsResponse:
 class ShardWatches:
     """The open WatchShards streams' outboxes: each gets the whole map at once and again after every change."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._outboxes: set[Outbox] = set()
 
     def __len__(self) -> int:

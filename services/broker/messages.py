@@ -30,6 +30,7 @@ class Messages:
 
     def order(self, att: Attempt, rank_key: RankKey, now: float, *, full: bool) -> rv_pb.StreamWriteOrdersResponse:
         """The WriteOrder for one producer rank (early: without the source, which the rank's own prefill provides)."""
+        assert att.plan is not None and att.dest is not None, "orders go out once the decode side registered"
         consumers = next(c for r, c in att.plan.orders if r == rank_key)
         order = tr_pb.WriteOrder(
             key=att.key,
@@ -45,6 +46,7 @@ class Messages:
         if carrier:  # a map passed to the constructor goes through Python's MutableMapping.update even when empty
             order.trace_context.update(carrier)
         if full:
+            assert att.src is not None, "a full order goes out once both sides arrived"
             order.source.CopyFrom(att.src.source)
         return self._to_producer(order=order)
 
@@ -62,7 +64,7 @@ class Messages:
 
     # ----- to decode engines and callers -----
 
-    def event(self, att: Attempt, event_type: int) -> rv_pb.StreamTransferEventsResponse:
+    def event(self, att: Attempt, event_type: tr_pb.TransferEventType) -> rv_pb.StreamTransferEventsResponse:
         return rv_pb.StreamTransferEventsResponse(
             event=tr_pb.TransferEvent(
                 key=att.key,

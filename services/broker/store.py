@@ -95,7 +95,7 @@ class AttemptStore:
         self.state_counts[a.NEW] += 1
         return att
 
-    def set_state(self, att: Attempt, state: int) -> None:
+    def set_state(self, att: Attempt, state: tr_pb.TransferState) -> None:
         counts = self.state_counts
         counts[att.state] -= 1
         counts[state] += 1

@@ -21,7 +21,7 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 class _AttemptTrace:
     __slots__ = ("span", "carrier")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.span: trace.Span | None = None
         self.carrier: dict[str, str] = {}
 

@@ -20,6 +20,7 @@ ask the Authenticator:
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -70,7 +71,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: IdentityTokens):
         self._tokens = tokens
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]], handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
         if handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
             return await continuation(handler_call_details)
         presented = metadata_value(handler_call_details.invocation_metadata, AUTHORIZATION_KEY)

@@ -72,6 +72,12 @@ class ServerConfig(Settings):
         if any(tls) and not all(tls):
             raise ValueError("mutual TLS needs --tls-cert, --tls-key and --tls-ca together")
 
+    def tls_pems(self) -> tuple[bytes, bytes, bytes]:
+        """The certificate, private key and CA bundle (PEM) of mutual TLS, read now."""
+        if self.tls_cert is None or self.tls_key is None or self.tls_ca is None:
+            raise ValueError("mutual TLS is not configured: it needs --tls-cert, --tls-key and --tls-ca")
+        return self.tls_cert.read_bytes(), self.tls_key.read_bytes(), self.tls_ca.read_bytes()
+
     def write_port(self, port: int) -> None:
         if self.port_file is not None:
             write_private_file(self.port_file, f"{port}\n")

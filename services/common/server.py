@@ -10,7 +10,7 @@ import gc
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -76,9 +76,10 @@ class RunningServer:
 
 
 def _credentials(config: ServerConfig) -> grpc.ServerCredentials:
+    cert, key, ca = config.tls_pems()
     return grpc.ssl_server_credentials(
-        [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())],
-        root_certificates=config.tls_ca.read_bytes(),
+        [(key, cert)],
+        root_certificates=ca,
         require_client_auth=True,
     )
 
@@ -238,7 +239,7 @@ async def serve_until_signalled(
     return 1 if failed else 0
 
 
-def run_event_loop(main: Awaitable[ResultT]) -> ResultT:
+def run_event_loop(main: Coroutine[Any, Any, ResultT]) -> ResultT:
     """Runs main on uvloop when it is installed (faster gRPC streams), else on asyncio's default loop."""
     try:
         import uvloop

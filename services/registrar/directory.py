@@ -311,7 +311,7 @@ class Directory:
             registered.expire_time.CopyFrom(timestamp(wall_at(self._clock, rank.expires)))
         return engine
 
-    def _emit(self, event_type: int, record: EngineRecord, reason: str, revision: int) -> None:
+    def _emit(self, event_type: reg_pb.EngineEventType, record: EngineRecord, reason: str, revision: int) -> None:
         self.revision = max(self.revision, revision)
         event = reg_pb.WatchEnginesResponse(type=event_type, engine=record.snapshot, reason=reason, revision=revision)
         self._history.append(event)

@@ -11,7 +11,7 @@ from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 
 
 def engine_message(rank: engine_pb2.EngineRank, compatibility_hash: str, register_wall: float, *,
-                   ranks: Iterable[reg_pb.RegisteredRank] = (), state: int = reg_pb.ENGINE_STATE_UNSPECIFIED) -> reg_pb.Engine:
+                   ranks: Iterable[reg_pb.RegisteredRank] = (), state: reg_pb.EngineState = reg_pb.ENGINE_STATE_UNSPECIFIED) -> reg_pb.Engine:
     """An engine incarnation's Engine from one of its ranks' identity (its engine-wide fields), with the given ranks and state."""
     return reg_pb.Engine(
         engine_id=rank.engine_id,

@@ -93,7 +93,8 @@ class EtcdLeases:
             granted -= grace_s
             # A new incarnation: the old one's ranks go in the same Txn, with
             # a departure key (on the new lease) saying they were replaced.
-            replaced = {self._incarnation(kv.key) for kv in old}
+            # (A key under the engine's prefix that is no rank key names no incarnation to depart.)
+            replaced = {inc for kv in old if (inc := self._incarnation(kv.key)) is not None}
             success = [op_put(self._keys.departure(rank.engine_id, inc), RemovalReason.REPLACED.encode(), lease) for inc in replaced]
             success += [op_delete(kv.key) for kv in old]
             success.append(op_put(key, encode_rank(request, granted, self._clock.wall()), lease))
@@ -125,8 +126,8 @@ class EtcdLeases:
         response = reg_pb.KeepAliveResponse()
         earliest = None
         for lease_id, rank in zip(ids, ranks, strict=True):
-            remaining = await self._client.keep_alive_once(lease_number(lease_id)) if rank is not None else 0
-            if remaining <= 0:
+            remaining = await self._client.keep_alive_once(_held_lease(lease_id)) if rank is not None else 0
+            if rank is None or remaining <= 0:
                 response.unknown_lease_ids.append(lease_id)
                 continue
             rank.expires = self._clock.now() + rank.ttl
@@ -145,7 +146,7 @@ class EtcdLeases:
         record = rank.engine
         checks.check_lease_holder(record.engine_id, caller_engine_id, "lease_id")
         key = self._keys.rank(record.engine_id, record.incarnation, rank.position)
-        lease = lease_number(lease_id)
+        lease = _held_lease(lease_id)
         # The departure key rides on the rank's own lease: revoking it next
         # deletes the key once watchers saw it.
         departure = op_put(self._keys.departure(record.engine_id, record.incarnation), RemovalReason.DEREGISTERED.encode(), lease)
@@ -172,7 +173,7 @@ class EtcdLeases:
                     break
 
     async def _expire_if_silent(self, rank: Rank) -> None:
-        lease = lease_number(rank.lease_id)
+        lease = _held_lease(rank.lease_id)
         left = await self._client.time_to_live(lease)
         if left <= 0 or left >= self._config.outage_grace_s:
             return  # gone already (the mirror hears of it), or renewed within its TTL
@@ -202,3 +203,11 @@ class EtcdLeases:
         return reg_pb.RegisterEngineRankResponse(
             lease_id=lease_name(lease), lease_ttl=duration(ttl_s), expire_time=timestamp(self._clock.wall() + ttl_s)
         )
+
+
+def _held_lease(lease_id: str) -> int:
+    """The etcd lease of a rank the directory holds: the mirror names each by its lease (lease_name), so it always parses."""
+    lease = lease_number(lease_id)
+    if lease is None:
+        raise ValueError(f"lease_id {lease_id!r} names no etcd lease")
+    return lease

@@ -94,6 +94,7 @@ class EtcdMirror:
         directory = self.directory
         for engine_id in directory.engine_ids():
             record = directory.engine(engine_id)
+            assert record is not None, "engine_ids() is a copy, and removing one engine's ranks removes no other engine"
             if engine_id not in listed:
                 directory.remove_ranks(record, list(record.ranks), RemovalReason.LEASE_EXPIRED, revision)
             elif incarnations[engine_id] != record.incarnation:

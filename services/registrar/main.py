@@ -38,6 +38,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 async def serve(server_config: ServerConfig, registrar_config: RegistrarConfig, etcd: EtcdSettings, tokens: IdentityTokens | None) -> int:
     configure_tracing("kvpush-registrar")
     clock = SystemClock()
+    leases: registrar_servicer.LeaseAuthority
     if etcd.endpoints:
         replica = EtcdReplica(registrar_config, etcd, clock)
         directory, leases = replica.directory, replica.leases

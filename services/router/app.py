@@ -58,9 +58,10 @@ class Router:
         self.attempt_times = AttemptTimes()  # what a retry needs left of its request's time
         self._tracer_provider = tracer_provider
         self.tracer = trace.get_tracer(TRACER_NAME, tracer_provider=tracer_provider)
-        self.session: aiohttp.ClientSession | None = None
-        self.broker: ShardedBrokerClient | None = None
-        self.shards: ShardWatch | None = None  # push mode: which attempts' broker members are gone
+        # Made by start(): the engines' HTTP session, and in push mode the broker client and its shard watch.
+        self._session: aiohttp.ClientSession | None = None
+        self._broker: ShardedBrokerClient | None = None
+        self._shards: ShardWatch | None = None  # which attempts' broker members are gone
         self._cancels: set[asyncio.Task] = set()  # push mode: CancelTransfer calls still running (failed attempts)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -68,7 +69,7 @@ class Router:
     async def start(self, _app: web.Application | None = None) -> None:
         # No pool limit: the engines' own queues are the backpressure.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.config.engine_keepalive_s)
-        self.session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
+        self._session = aiohttp.ClientSession(connector=connector, raise_for_status=False)
         if self.config.mode == "push":
             client_config = ClientConfig(
                 target=self.config.control_plane,
@@ -78,9 +79,27 @@ class Router:
                 client_key_path=self.config.tls_key,
                 default_timeout_s=self.config.cancel_timeout_s,
             )
-            self.broker = ShardedBrokerClient(client_config, tracer_provider=self._tracer_provider)
-            self.shards = ShardWatch(self.broker.shard_map)
-            self.broker.shard_map.start()
+            self._broker = ShardedBrokerClient(client_config, tracer_provider=self._tracer_provider)
+            self._shards = ShardWatch(self._broker.shard_map)
+            self._broker.shard_map.start()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router has not started: no HTTP session to the engines yet")
+        return self._session
+
+    @property
+    def broker(self) -> ShardedBrokerClient:
+        if self._broker is None:
+            raise RuntimeError("no broker client: the router is not started in push mode")
+        return self._broker
+
+    @property
+    def shards(self) -> ShardWatch:
+        if self._shards is None:
+            raise RuntimeError("no shard watch: the router is not started in push mode")
+        return self._shards
 
     def cancel_later(self, cancel: Coroutine[Any, Any, None]) -> asyncio.Task:
         """Runs a failed attempt's CancelTransfer beside the request: its answer does not wait for the broker."""
@@ -92,12 +111,12 @@ class Router:
     async def close(self, _app: web.Application | None = None) -> None:
         if self._cancels:  # each call is bounded by --cancel-timeout
             await asyncio.wait(set(self._cancels), timeout=self.config.cancel_timeout_s)
-        if self.session is not None:
-            await self.session.close()
-        if self.shards is not None:
-            self.shards.close()
-        if self.broker is not None:
-            await self.broker.close()
+        if self._session is not None:
+            await self._session.close()
+        if self._shards is not None:
+            self._shards.close()
+        if self._broker is not None:
+            await self._broker.close()
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -165,6 +184,7 @@ class Router:
         )
         status = 500
         failure_reason = ""
+        response: web.StreamResponse
         try:
             with trace.use_span(span, end_on_exit=False):
                 try:

@@ -113,7 +113,7 @@ async def dispatch(router: Router, request: web.Request, ctx: RequestContext) ->
             failure = exc
             exc.attempt = attempt
             router.metrics.leg_failures.labels(exc.leg, exc.cause).inc()
-            event = {"kvpush.leg": exc.leg, "kvpush.cause": exc.cause, "kvpush.reason": exc.reason, ATTR_ATTEMPT: attempt, "message": str(exc)}
+            event: dict[str, str | int] = {"kvpush.leg": exc.leg, "kvpush.cause": exc.cause, "kvpush.reason": exc.reason, ATTR_ATTEMPT: attempt, "message": str(exc)}
             ctx.span.add_event("leg_failed", event)
             logger.warning("request %s attempt %d: %s", ctx.client_request_id, attempt, exc)
             if not exc.retryable:
@@ -182,9 +182,10 @@ async def _attempt_concurrent(router: Router, ctx: RequestContext, attempt: int,
         else:
             ctx.transfer_deadline = time.monotonic() + config.transfer_timeout_ms / 1000
             timeout_ms = config.transfer_timeout_ms
-        common = {"client_request_id": ctx.client_request_id, "timeout_ms": timeout_ms}
-        p_params = kvpush_params(PREFILL, ctx.transfer_id, attempt, d_endpoint.engine_id, traceparent=ctx.trace_carrier(p_span).get("traceparent", ""), **common)
-        d_params = kvpush_params(DECODE, ctx.transfer_id, attempt, p_endpoint.engine_id, traceparent=ctx.trace_carrier(d_span).get("traceparent", ""), **common)
+        p_params = kvpush_params(PREFILL, ctx.transfer_id, attempt, d_endpoint.engine_id, traceparent=ctx.trace_carrier(p_span).get("traceparent", ""),
+                                 client_request_id=ctx.client_request_id, timeout_ms=timeout_ms)
+        d_params = kvpush_params(DECODE, ctx.transfer_id, attempt, p_endpoint.engine_id, traceparent=ctx.trace_carrier(d_span).get("traceparent", ""),
+                                 client_request_id=ctx.client_request_id, timeout_ms=timeout_ms)
         p_headers = ctx.leg_headers(p_span, ctx.client_request_id)
         d_headers = ctx.leg_headers(d_span, ctx.client_request_id)
     else:
@@ -232,8 +233,8 @@ async def _first_output(router: Router, ctx: RequestContext, p_task: asyncio.Tas
                 raise LegFailure(PREFILL, p_endpoint, "timeout", f"no answer within {limit:g} s of the request's arrival while the decode leg waited for the KV", status=504)
             raise LegFailure(DECODE, d_endpoint, "timeout", f"no output within {limit:g} s of the request's arrival", status=504)
         done, pending = await asyncio.wait(pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
-        if p_task in done and p_task.exception() is not None:
-            raise p_task.exception()
+        if p_task in done and (prefill_error := p_task.exception()) is not None:
+            raise prefill_error
     d_task.result()
 
 
@@ -300,8 +301,8 @@ async def _first_output_push(
             wake = min(deadline, guard_at, poll_at if poll is None and not kv_arrived else float("inf"))
             done, pending = await asyncio.wait(pending, timeout=max(wake - now, 0), return_when=asyncio.FIRST_COMPLETED)
             if p_task in done:
-                if p_task.exception() is not None:
-                    raise p_task.exception()
+                if (prefill_error := p_task.exception()) is not None:
+                    raise prefill_error
                 poll_at = loop.time() + config.early_poll_delay_s
             if poll is not None and poll in done:
                 record = poll.result()

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpush.services.router.core import FAILURE_REASONS, LEG_FAILED, EnginePool
@@ -49,7 +51,7 @@ class RouterMetrics:
         in_flight = Gauge("kvpush_router_legs_in_flight", "Legs being served, by engine", ["role", "engine_id", "url"], registry=r)
         for pool in pools:
             for endpoint in pool.endpoints:
-                in_flight.labels(pool.role, endpoint.engine_id, endpoint.url).set_function(lambda pool=pool, endpoint=endpoint: pool.in_flight(endpoint))
+                in_flight.labels(pool.role, endpoint.engine_id, endpoint.url).set_function(functools.partial(pool.in_flight, endpoint))
 
     def failed(self, reason: str) -> None:
         """Counts one failed request; a reason outside FAILURE_REASONS (a newer broker's EndReason) counts as LEG_FAILED."""

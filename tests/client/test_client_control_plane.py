@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvpush import errors
 from kvpush.client import BrokerClient, ClientConfig, RegistrarClient
+from kvpush.dev import sample_engines
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common import sample_engines
 from kvpush.services.common.tokens import create_tokens
 from kvpush.telemetry import read_spans
 

@@ -14,7 +14,7 @@ from shard_members import Cluster, members
 from kvpush import errors, shards
 from kvpush.client import UNSHARDED, BrokerClient, ClientConfig, ShardedBrokerClient, ShardMap
 from kvpush.client.backoff import Backoff
-from kvpush.localstack.scaled import multi_target
+from kvpush.dev.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from tests.waiting import eventually
 

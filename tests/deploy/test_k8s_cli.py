@@ -106,7 +106,7 @@ def test_engines_run_kvpush_with_a_config_the_connector_accepts(tmp_path, monkey
 
 
 def test_engines_reach_the_brokers_through_the_connectors_broker_setting(tmp_path, monkeypatch):
-    """The connector's `broker` setting (the key kvpush.localstack's scaled stack passes) reads $KVPUSH_BROKER from kvpush-endpoints."""
+    """The connector's `broker` setting (the key kvpush.dev.localstack's scaled stack passes) reads $KVPUSH_BROKER from kvpush-endpoints."""
     settings = {f.name: s for f in dataclasses.fields(ConnectorConfig) for s in f.metadata.values() if isinstance(s, Setting)}
     assert settings["broker"].env == "KVPUSH_BROKER", "kvpush-endpoints gives engines their broker target as $KVPUSH_BROKER"
     for form in FORMS:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.tinymodel import build_tiny_model, default_model_dir
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 
 
 @pytest.fixture(scope="session")

@@ -7,10 +7,10 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvpush.localstack.completions import max_logprob_diff
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import start_vllm_servers
-from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
+from kvpush.dev.localstack.completions import max_logprob_diff
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import start_vllm_servers
+from kvpush.dev.localstack.transfers import dispatch, dispatch_in_order, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
 
 MAX_TOKENS = 6

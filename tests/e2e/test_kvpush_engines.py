@@ -18,12 +18,12 @@ import time
 
 import pytest
 
-from kvpush.localstack.completions import HttpError, completion_body, completions, max_logprob_diff, max_logprob_shift
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import reference_run, start_vllm_server
-from kvpush.localstack.metrics import free_kv_blocks
-from kvpush.localstack.prompts import control_prompt, prompt_token_ids
-from kvpush.localstack.transfers import Dispatch, dispatch, dispatch_in_order, get_transfer, new_transfer_id, transfer_params
+from kvpush.dev.localstack.completions import HttpError, completion_body, completions, max_logprob_diff, max_logprob_shift
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import reference_run, start_vllm_server
+from kvpush.dev.localstack.metrics import free_kv_blocks
+from kvpush.dev.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.dev.localstack.transfers import Dispatch, dispatch, dispatch_in_order, get_transfer, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
 from tests.waiting import wait_for
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.localstack.completions import max_logprob_diff
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import reference_run, start_vllm_server
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.localstack.completions import max_logprob_diff
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import reference_run, start_vllm_server
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.transfers import dispatch, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
 
 pytestmark = pytest.mark.engine

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvpush.dev.localstack.engines import reference_run
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
+from kvpush.dev.tinymodel.architectures import GEMMA3_SLIDING_WINDOW
 from kvpush.layout.geometry import window_first_token
-from kvpush.localstack.engines import reference_run
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.tinymodel import build_tiny_model, default_model_dir
-from kvpush.tinymodel.architectures import GEMMA3_SLIDING_WINDOW
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 
 pytestmark = pytest.mark.engine

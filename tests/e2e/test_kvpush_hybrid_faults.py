@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import psutil
 import pytest
 
-from kvpush.localstack.completions import Completion, HttpError, completion_body, completions
-from kvpush.localstack.metrics import free_kv_blocks
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, get_transfer, new_transfer_id, transfer_params
+from kvpush.dev.localstack.completions import Completion, HttpError, completion_body, completions
+from kvpush.dev.localstack.metrics import free_kv_blocks
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.transfers import dispatch, get_transfer, new_transfer_id, transfer_params
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.tinymodel import build_tiny_model, default_model_dir
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 from tests.waiting import wait_for
 

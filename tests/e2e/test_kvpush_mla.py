@@ -20,16 +20,16 @@ from __future__ import annotations
 import pytest
 
 from bench.upstream import pull_route, upstream_spec
-from kvpush.localstack.completions import HttpError, completions, max_logprob_shift
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import start_vllm_servers
-from kvpush.localstack.metrics import free_kv_blocks
-from kvpush.localstack.prompts import control_prompt, prompt_token_ids
-from kvpush.localstack.stack import Stack
-from kvpush.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.localstack.completions import HttpError, completions, max_logprob_shift
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import start_vllm_servers
+from kvpush.dev.localstack.metrics import free_kv_blocks
+from kvpush.dev.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.dev.localstack.stack import Stack
+from kvpush.dev.localstack.transfers import dispatch, get_transfer
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.telemetry.reader import read_spans
-from kvpush.tinymodel import build_tiny_model, default_model_dir
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers
 from tests.waiting import wait_for
 

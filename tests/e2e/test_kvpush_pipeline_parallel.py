@@ -20,11 +20,11 @@ import time
 import psutil
 import pytest
 
-from kvpush.localstack.completions import HttpError, completions
-from kvpush.localstack.engines import reference_run
-from kvpush.localstack.metrics import free_kv_blocks
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, get_transfer, new_transfer_id, transfer_params
+from kvpush.dev.localstack.completions import HttpError, completions
+from kvpush.dev.localstack.engines import reference_run
+from kvpush.dev.localstack.metrics import free_kv_blocks
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.transfers import dispatch, get_transfer, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 from tests.waiting import wait_for

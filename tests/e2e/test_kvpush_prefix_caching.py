@@ -17,12 +17,12 @@ import contextlib
 
 import pytest
 
-from kvpush.localstack.completions import completions, max_logprob_diff
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import reference_run, start_vllm_servers
-from kvpush.localstack.metrics import free_kv_blocks
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.transfers import dispatch, dispatch_in_order, get_transfer
+from kvpush.dev.localstack.completions import completions, max_logprob_diff
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import reference_run, start_vllm_servers
+from kvpush.dev.localstack.metrics import free_kv_blocks
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.transfers import dispatch, dispatch_in_order, get_transfer
 from kvpush.rendezvous.v1 import transfer_pb2
 from tests.waiting import wait_for
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.localstack.completions import completions, max_logprob_diff, max_logprob_shift, stream_completions
-from kvpush.localstack.engines import start_vllm_server
-from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks
-from kvpush.localstack.prompts import control_prompt, prompt_token_ids
-from kvpush.tinymodel import build_tiny_model, default_model_dir
+from kvpush.dev.localstack.completions import completions, max_logprob_diff, max_logprob_shift, stream_completions
+from kvpush.dev.localstack.engines import start_vllm_server
+from kvpush.dev.localstack.metrics import free_kv_blocks, num_kv_blocks
+from kvpush.dev.localstack.prompts import control_prompt, prompt_token_ids
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 
 pytestmark = pytest.mark.engine
 

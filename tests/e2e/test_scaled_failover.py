@@ -25,7 +25,7 @@ import pytest
 from bench.chaos.report import FAILOVER_TARGET_S, PAUSE_FAILOVER_TARGET_S, format_report
 from bench.chaos.runner import run
 from bench.chaos.settings import FAILOVER_ORDER, short_settings
-from kvpush.etcd.cluster import ELECTION_TIMEOUT_MS
+from kvpush.dev.etcd_cluster import ELECTION_TIMEOUT_MS
 
 pytestmark = pytest.mark.engine
 

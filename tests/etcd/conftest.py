@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
+from kvpush.dev.etcd_cluster import EtcdCluster, etcd_available
 from kvpush.etcd.client import EtcdClient
-from kvpush.etcd.cluster import EtcdCluster, etcd_available
 
 
 @pytest.fixture(scope="session")

@@ -14,11 +14,11 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2
 
+from kvpush.dev import sample_engines as sample
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker import servicer as broker_servicer
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.tokens import create_tokens
 from tests.kvpush_process import KvpushProcess
 

@@ -17,10 +17,10 @@ import grpc
 from sharded_brokers import LEASE_TTL_S, NOT_SERVING, SERVING, T, deployment, map_until, until_health
 
 from bench.tcp_proxy import TcpProxy
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from tests.sharding import owned_by
 
 SILENCE_S = 1.0

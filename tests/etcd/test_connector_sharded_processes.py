@@ -15,7 +15,7 @@ import time
 
 from sharded_brokers import WAIT_S, deployment
 
-from kvpush.localstack.scaled import multi_target
+from kvpush.dev.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from tests.decode_session import decode_session
 from tests.sharding import owned_by

@@ -7,8 +7,8 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from kvpush.etcd.cluster import EtcdCluster, etcd_available
-from kvpush.localstack.process import StartError
+from kvpush.dev.etcd_cluster import EtcdCluster, etcd_available
+from kvpush.dev.localstack.process import StartError
 
 pytestmark = pytest.mark.skipif(not etcd_available(), reason="etcd is not installed (scripts/setup-env.sh installs it)")
 

@@ -9,13 +9,13 @@ import time
 import grpc
 from registrar_replicas import TOKENS, UPSERTED, WAIT_S, T, Watch, bearer, running_replica
 
-from kvpush.localstack.scaled import multi_target
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.localstack.scaled import multi_target
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import write_private_file
 from tests.kvpush_process import KvpushProcess, wait_serving
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from registrar_replicas import REMOVED, UPSERTED, T, Watch, bearer, running_replica
 
+from kvpush.dev import sample_engines as sample
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.directory import RemovalReason
 from tests.waiting import eventually
 

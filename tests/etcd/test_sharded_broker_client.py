@@ -13,10 +13,10 @@ from sharded_brokers import LEASE_TTL_S, WAIT_S, T, deployment
 from kvpush import shards
 from kvpush.client import ClientConfig, ShardedBrokerClient, ShardMap
 from kvpush.client.backoff import Backoff
-from kvpush.localstack.scaled import multi_target
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from tests.waiting import eventually
 
 TRANSFERS = [f"t{n}" for n in range(12)]

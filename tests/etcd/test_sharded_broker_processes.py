@@ -9,12 +9,12 @@ import grpc
 from sharded_brokers import LEASE_TTL_S, NOT_SERVING, SERVING, T, deployment, map_until, next_map, until_health
 
 from kvpush import status
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.etcd.client import EtcdClient
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.etcd_membership import brokers_prefix
-from kvpush.services.common import sample_engines as sample
 from tests.sharding import owned_by
 
 

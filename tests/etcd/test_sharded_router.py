@@ -16,10 +16,10 @@ from sharded_brokers import WAIT_S, deployment
 
 from kvpush import errors, shards
 from kvpush.client import ClientConfig, ShardedBrokerClient
-from kvpush.localstack.scaled import multi_target
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.localstack.scaled import multi_target
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from tests.router.fake_engines import DECODE_WORDS
 from tests.router.transfer_failure_harness import BODY, ENDED_STATES, ScriptedEngine, key_of, router_under_test, serve, stop
 

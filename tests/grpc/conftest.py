@@ -7,7 +7,7 @@ import grpc
 import pytest
 from rpc_harness import FakeEngine, running_control_plane
 
-from kvpush.services.common import sample_engines as sample
+from kvpush.dev import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 
 

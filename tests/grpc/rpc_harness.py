@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from kvpush import status
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import ERROR_DOMAIN
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
@@ -22,7 +23,6 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services import control_plane
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, IdentityTokens
 from kvpush.services.registrar.config import RegistrarConfig

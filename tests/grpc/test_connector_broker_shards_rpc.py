@@ -23,13 +23,13 @@ from rpc_harness import identity_tokens, token_of
 
 from kvpush import errors
 from kvpush.clock import SystemClock
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker import servicer as broker_servicer
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.auth import Authenticator
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.common.deadline_runner import DeadlineRunner

@@ -11,10 +11,10 @@ from rpc_harness import CALL_TIMEOUT_S, FakeEngine, running_control_plane, token
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.control import ControlSession
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 
 FAST = BrokerConfig(stream_lease_s=0.5, write_timeout_s=0.2, fence_margin_s=0.1, max_clock_skew_s=0.05)

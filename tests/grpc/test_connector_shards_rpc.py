@@ -26,9 +26,9 @@ from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.params import TransferParams
 from kvpush.connector.report_stream import Report
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from tests.sharding import owned
 from tests.unit.nixl_pair import transfer_threads
 from tests.waiting import eventually

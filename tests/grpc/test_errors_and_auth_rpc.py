@@ -13,13 +13,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 from rpc_harness import CALL_TIMEOUT_S, FakeEngine, bearer, expect_rpc_error, running_control_plane, token_of
 
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 
 T = CALL_TIMEOUT_S

@@ -14,13 +14,13 @@ import grpc
 import pytest
 from rpc_harness import CALL_TIMEOUT_S, WAIT_S, FakeEngine, bearer, expect_rpc_error, read, running_control_plane
 
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.registrar.config import RegistrarConfig
 

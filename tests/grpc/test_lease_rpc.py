@@ -8,9 +8,9 @@ import asyncio
 import grpc
 from rpc_harness import CALL_TIMEOUT_S, FakeEngine, bearer, read, running_control_plane
 
+from kvpush.dev import sample_engines as sample
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.registrar.config import RegistrarConfig
 

@@ -8,10 +8,10 @@ import asyncio
 import grpc
 from rpc_harness import WAIT_S, FakeEngine, bearer, running_control_plane
 
+from kvpush.dev import sample_engines as sample
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.services.broker.remote_directory import RESYNC_REASON, RemoteEngineDirectory
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 from kvpush.services.registrar.directory import RemovalReason
 from tests.waiting import eventually

@@ -18,12 +18,12 @@ from rpc_harness import CALL_TIMEOUT_S, WAIT_S, FakeEngine, Inbox, bearer, expec
 
 from kvpush import status
 from kvpush.clock import duration
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.config import ServerConfig
 
 T = CALL_TIMEOUT_S

@@ -15,11 +15,11 @@ import grpc
 import pytest
 from rpc_harness import CALL_TIMEOUT_S, FakeEngine, expect_rpc_error, read
 
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.tokens import create_tokens
 from tests.kvpush_process import KvpushProcess, wait_serving
 

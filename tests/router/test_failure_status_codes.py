@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from kvpush.localstack.process import free_port
+from kvpush.dev.localstack.process import free_port
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.router.attempt_times import ATTEMPTS_KEPT
 from tests.router.fake_engines import DECODE_WORDS

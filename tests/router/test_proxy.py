@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.trace import SpanKind
 
 from kvpush.client import BrokerClient, ClientConfig
-from kvpush.localstack.process import free_port
+from kvpush.dev.localstack.process import free_port
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.services import control_plane

@@ -24,18 +24,18 @@ from pathlib import Path
 import pytest
 
 from kvpush import errors
-from kvpush.localstack.completions import Completion, completions, max_logprob_diff, stream_completions
-from kvpush.localstack.control_plane import kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import start_vllm_server
-from kvpush.localstack.metrics import free_kv_blocks, num_kv_blocks
-from kvpush.localstack.process import GroupProcess, free_port
-from kvpush.localstack.prompts import prompt_token_ids
-from kvpush.localstack.router import RouterHandle, start_router
-from kvpush.localstack.transfers import get_transfer
+from kvpush.dev.localstack.completions import Completion, completions, max_logprob_diff, stream_completions
+from kvpush.dev.localstack.control_plane import kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import start_vllm_server
+from kvpush.dev.localstack.metrics import free_kv_blocks, num_kv_blocks
+from kvpush.dev.localstack.process import GroupProcess, free_port
+from kvpush.dev.localstack.prompts import prompt_token_ids
+from kvpush.dev.localstack.router import RouterHandle, start_router
+from kvpush.dev.localstack.transfers import get_transfer
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.sse import DONE, sse_payloads
 from kvpush.telemetry import read_spans
-from kvpush.tinymodel import build_tiny_model, default_model_dir
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.engine

@@ -21,13 +21,13 @@ import grpc
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 
+from kvpush.dev import sample_engines as sample
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.registrar.v1 import registrar_service_pb2_grpc as reg_grpc
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2_grpc as rv_grpc
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services import control_plane
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.common.tokens import ROUTER_IDENTITY
 from kvpush.services.router.config import RouterConfig
 from kvpush.services.router.core import Endpoint

@@ -21,6 +21,7 @@ from kvpush.connector.decode_peers import DecodePeers
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.posting import Posting
 from kvpush.connector.producer import ProducerCore
+from kvpush.dev.sim.simulation import Timing
 from kvpush.errors import Aborted, Reason
 from kvpush.layout import geometry, heads
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -28,7 +29,6 @@ from kvpush.services.broker import attempts as a
 from kvpush.services.broker import checks, plans
 from kvpush.services.broker.arrivals import Arrivals
 from kvpush.services.broker.machine import AttemptMachine
-from kvpush.sim.simulation import Timing
 
 
 @contextlib.contextmanager
@@ -248,16 +248,16 @@ SIMULATED = [
     Defect("7", "decode key collision takes over a receive", _decode_key_collision, "short-receive", (351, 447, 450)),
     Defect("7b", "prompt not compared, only token counts", _prompt_not_compared, "short-receive", (164, 489, 1766)),
     Defect("P1", "first part of a layer-progressive WRITE counted as all", _first_part_counts_as_all, "short-receive", (2, 3, 4)),
-    # Found once the transport model stopped letting a release recall bytes already sent (kvpush/sim/nixl.py).
+    # Found once the transport model stopped letting a release recall bytes already sent (kvpush/dev/sim/nixl.py).
     Defect("R1", "refused post released the parts in flight", _refused_post_releases_in_flight, "write-after-free", (4, 22, 42)),
     Defect("R2", "abort counted from the first part", _abort_counted_from_first_part, "write-after-free", (83, 162, 198)),
     # Found once P made its WRITEs during the forward (a made WRITE unloaded with its agent shows it).
     Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (36902, 53561, 62142)),
-    # Found once the broker member could doubt its lease (kvpush/sim/control_plane.py).
+    # Found once the broker member could doubt its lease (kvpush/dev/sim/control_plane.py).
     Defect("L1", "lease doubt fenced at once", _lease_doubt_fences_at_once, "write-after-free", (3, 38, 45)),
-    # Found once the simulated prefill engine could be pipeline-parallel (kvpush/sim/prefill.py).
+    # Found once the simulated prefill engine could be pipeline-parallel (kvpush/dev/sim/prefill.py).
     Defect("S1", "stages not counted", _stages_not_counted, "short-receive", (0, 1, 2)),
-    # Found once the simulated engines could serve a hybrid model (kvpush/sim/deployment.py).
+    # Found once the simulated engines could serve a hybrid model (kvpush/dev/sim/deployment.py).
     Defect("H1", "sliding window one token short", _window_one_token_short, "short-receive", (2, 3, 4)),
 ]
 # Defect 2 needs a registration retried across a supersession while the old
@@ -271,7 +271,7 @@ def search(first: int = 0, count: int = 20_000, wanted: int = 3) -> None:
     """Prints, per defect, the first seeds in which the simulation finds it."""
     import logging
 
-    from kvpush.sim.simulation import Simulation
+    from kvpush.dev.sim.simulation import Simulation
 
     logging.disable(logging.CRITICAL)
     for defect in SIMULATED:

@@ -9,14 +9,14 @@ from defects import SIMULATED, aborted_registration_frees
 from kvpush.clock import ManualClock
 from kvpush.connector.decode_waits import DecodeWaits
 from kvpush.connector.params import TransferParams
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.sim.simulation import Simulation
 from kvpush.errors import KvpushError
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
-from kvpush.sim.simulation import Simulation
 
 
 @pytest.mark.parametrize("defect", SIMULATED, ids=lambda d: f"defect-{d.number}")

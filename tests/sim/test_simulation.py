@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvpush.sim.run import run_many, run_schedule
-from kvpush.sim.simulation import Simulation
+from kvpush.dev.sim.run import run_many, run_schedule
+from kvpush.dev.sim.simulation import Simulation
 
 CI_SCHEDULES = 3000
 

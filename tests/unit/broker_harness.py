@@ -7,11 +7,11 @@ import pytest
 
 from kvpush import errors
 from kvpush.clock import ManualClock, duration, timestamp
+from kvpush.dev import sample_engines as sample
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.broker.core import BrokerCore, Subscription
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 

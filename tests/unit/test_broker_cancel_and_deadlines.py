@@ -22,9 +22,9 @@ from broker_harness import (
 
 from kvpush import errors
 from kvpush.clock import timestamp
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
 
 # ----- cancel -----
 

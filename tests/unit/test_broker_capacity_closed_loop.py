@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 
 from bench.broker_capacity_load import Bench, Shard
-from kvpush.localstack.control_plane import start_control_plane
+from kvpush.dev.localstack.control_plane import start_control_plane
 
 PAIRS = [("prefill-0", "decode-0"), ("prefill-1", "decode-1")]
 RENDEZVOUS = 30

@@ -12,10 +12,10 @@ from broker_harness import (
 )
 
 from kvpush import errors
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.config import BrokerConfig
-from kvpush.services.common import sample_engines as sample
 
 # ----- memory bounds -----
 

@@ -27,8 +27,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from kvpush import errors
 from kvpush.clock import timestamp
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
-from kvpush.services.common import sample_engines as sample
 
 # ----- rendezvous -----
 

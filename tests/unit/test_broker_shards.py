@@ -19,10 +19,10 @@ from broker_harness import (
 )
 
 from kvpush import errors
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.services.broker.membership import MapMembership, StaticMembership, shard_map
-from kvpush.services.common import sample_engines as sample
 from tests.sharding import owned_by
 
 ADDRESSES = {"a": "127.0.0.1:1001", "b": "127.0.0.1:1002", "c": "127.0.0.1:1003"}

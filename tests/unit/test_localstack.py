@@ -1,6 +1,6 @@
 # SPDX-FileCopyrightText: 2026 The kvpush Authors
 # SPDX-License-Identifier: Apache-2.0
-"""kvpush.localstack without engines: process groups stopped whole, bounded start waits, signals, stack specs."""
+"""kvpush.dev.localstack without engines: process groups stopped whole, bounded start waits, signals, stack specs."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.localstack.engines import engine_command
-from kvpush.localstack.process import GroupProcess, StartError, free_fixed_port, interrupt_on_signals, wait_for_port_file
-from kvpush.localstack.stack import Stack, StackSpec
+from kvpush.dev.localstack.engines import engine_command
+from kvpush.dev.localstack.process import GroupProcess, StartError, free_fixed_port, interrupt_on_signals, wait_for_port_file
+from kvpush.dev.localstack.stack import Stack, StackSpec
 from kvpush.processes import group_members, thread_ids
 
 # A leader that ignores SIGTERM and leaves a child in its group: only a group SIGKILL ends both.

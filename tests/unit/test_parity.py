@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from bench.parity import Cell, Outcome, compare, grid, main, merge, render
-from kvpush.localstack.completions import Completion
+from kvpush.dev.localstack.completions import Completion
 
 DENSE = Cell("dense", 1, 1, False)
 MLA = Cell("mla", 1, 2, False)

@@ -11,9 +11,9 @@ from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.notification import notification, parse_notification
 from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, build_write_plans, page_table_of
+from kvpush.dev import sample_engines as sample
 from kvpush.layout import heads
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common import sample_engines as sample
 from tests.unit.broker_harness import COMPLETED, REVOKED, D, Harness, expect
 from tests.unit.write_copies import apply
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.services.common import sample_engines as sample
+from kvpush.dev import sample_engines as sample
 from kvpush.services.registrar.etcd_keys import EtcdKeys, decode_rank, encode_rank, lease_name, lease_number
 
 KEYS = EtcdKeys("/kvpush/")

@@ -7,9 +7,9 @@ from registrar_harness import SNAPSHOT_END, UPSERTED, events, expect
 
 from kvpush import errors
 from kvpush.clock import ManualClock
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.config import RegistrarConfig
 from kvpush.services.registrar.core import RegistrarCore
 

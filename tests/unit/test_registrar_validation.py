@@ -7,9 +7,9 @@ import pytest
 from registrar_harness import expect
 
 from kvpush import errors
+from kvpush.dev import sample_engines as sample
 from kvpush.errors import Reason
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RegistrarCore
 
 # ----- validation -----

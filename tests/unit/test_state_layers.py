@@ -11,10 +11,10 @@ from kvpush import errors
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.kv_layout import GroupSpec, LayerTensor, build_layout
 from kvpush.connector.write_plans import LocalLayout, Peer, PeerRank, build_write_plans
+from kvpush.dev import sample_engines as sample
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout.geometry import layout_mismatch
 from kvpush.rendezvous.v1 import transfer_pb2
-from kvpush.services.common import sample_engines as sample
 from tests.unit.broker_harness import Harness, expect
 from tests.unit.write_copies import apply
 

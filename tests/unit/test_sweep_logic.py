@@ -196,7 +196,7 @@ def test_bytes_a_transfer_moves_once_d_caches_the_shared_prefix():
 
 
 def test_the_kv_geometry_of_each_tiny_model_family():
-    from kvpush.tinymodel.architectures import DEEPSEEK_V2_CONFIG, QWEN3_CONFIG
+    from kvpush.dev.tinymodel.architectures import DEEPSEEK_V2_CONFIG, QWEN3_CONFIG
 
     assert kv_geometry(QWEN3_CONFIG) == KvGeometry(128, KV_BYTES_PER_TOKEN)
     mla = kv_geometry(DEEPSEEK_V2_CONFIG)

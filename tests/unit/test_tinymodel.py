@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvpush import tinymodel
+from kvpush.dev import tinymodel
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,6 +13,7 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvpush.sse import DONE, sse_payloads
@@ -32,6 +33,8 @@ class HttpError(RuntimeError):
 
 def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
     parts = urlsplit(url)
+    if parts.hostname is None:
+        raise ValueError(f"no host in {url!r}")
     return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout), parts.path
 
 
@@ -85,7 +88,7 @@ def completion_body(prompt: str | Sequence[int], max_tokens: int, *, logprobs: i
     `return_token_ids` gives the ids directly (vLLM 0.32), so no
     detokenization round trip is needed to compare outputs.
     """
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "prompt": prompt if isinstance(prompt, str) else list(prompt),
         "max_tokens": max_tokens,

@@ -22,7 +22,7 @@ COMPATIBILITY_HASH = "sample-model-fp16-v1"
 
 def rank_request(
     engine_id: str,
-    role: int,
+    role: engine_pb2.EngineRole,
     *,
     incarnation: str = "inc-1",
     tp_rank: int = 0,
@@ -85,7 +85,7 @@ def rank_request(
     return request
 
 
-def engine_requests(engine_id: str, role: int, *, tp_size: int = 1, pp_size: int = 1, **kwargs) -> list[reg_pb.RegisterEngineRankRequest]:
+def engine_requests(engine_id: str, role: engine_pb2.EngineRole, *, tp_size: int = 1, pp_size: int = 1, **kwargs) -> list[reg_pb.RegisterEngineRankRequest]:
     """One rank_request per (pp rank, tp rank) of an engine."""
     return [rank_request(engine_id, role, tp_rank=r, tp_size=tp_size, pp_rank=s, pp_size=pp_size, **kwargs) for s in range(pp_size) for r in range(tp_size)]
 
@@ -163,7 +163,7 @@ def write_result_request(
     engine_id: str = "prefill-0",
     tp_rank: int = 0,
     pp_rank: int = 0,
-    outcome: int = tr_pb.WRITE_OUTCOME_WRITTEN,
+    outcome: tr_pb.WriteOutcome = tr_pb.WRITE_OUTCOME_WRITTEN,
     bytes_written: int = 4096,
 ) -> rv_pb.ReportWriteResultRequest:
     return rv_pb.ReportWriteResultRequest(

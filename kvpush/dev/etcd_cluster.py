@@ -24,9 +24,9 @@ from pathlib import Path
 
 import grpc
 
+from kvpush.dev.localstack.process import GroupProcess, StartError, free_port
 from kvpush.etcd.client import STATUS_METHOD
 from kvpush.etcd.v1 import etcd_pb2 as pb
-from kvpush.localstack.process import GroupProcess, StartError, free_port
 
 ETCD_BINARY = "etcd"
 HEARTBEAT_MS = 50
@@ -164,11 +164,18 @@ class EtcdCluster:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
+    @property
+    def _scratch(self) -> Path:
+        """The cluster's temporary folder: start() makes it, stop() removes it."""
+        if self._tmp is None:
+            raise RuntimeError("the etcd cluster is not started")
+        return self._tmp
+
     def _new_member(self, index: int, attempt: int) -> _Member:
         name = f"etcd{index}"
-        data_dir = self._tmp / f"{name}.data"
+        data_dir = self._scratch / f"{name}.data"
         shutil.rmtree(data_dir, ignore_errors=True)
-        log_path = (self.workdir or self._tmp) / f"{name}.attempt{attempt}.log"
+        log_path = (self.workdir or self._scratch) / f"{name}.attempt{attempt}.log"
         return _Member(name, free_port(), free_port(), data_dir, log_path)
 
     def _launch(self, index: int) -> None:
@@ -185,7 +192,7 @@ class EtcdCluster:
             f"--initial-advertise-peer-urls={member.peer_url}",
             f"--initial-cluster={initial_cluster}",
             "--initial-cluster-state=new",
-            f"--initial-cluster-token={self._tmp.name}",
+            f"--initial-cluster-token={self._scratch.name}",
             f"--heartbeat-interval={HEARTBEAT_MS}",
             f"--election-timeout={ELECTION_TIMEOUT_MS}",
             "--pre-vote",

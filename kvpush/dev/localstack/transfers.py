@@ -11,8 +11,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpush.localstack.completions import Completion, completions
-from kvpush.localstack.control_plane import ControlPlaneHandle
+from kvpush.dev.localstack.completions import Completion, completions
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle
 
 
 def transfer_params(role: str, transfer_id: str, peer_engine_id: str, *, attempt: int = 1, timeout_ms: int | None = None) -> dict:
@@ -49,7 +49,7 @@ def dispatch(prefill_url: str, prefill_id: str, decode_url: str, decode_id: str,
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         p = pool.submit(completions, prefill_url, prompt, 1, kv_transfer_params=p_params, timeout=http_timeout)
         d = pool.submit(completions, decode_url, prompt, max_tokens, kv_transfer_params=d_params, timeout=http_timeout)
-        results = []
+        results: list[Completion | Exception] = []
         for future in (p, d):
             try:
                 results.append(future.result())
@@ -99,7 +99,7 @@ def dispatch_in_order(control_plane: ControlPlaneHandle, prefill_url: str, prefi
         second = "prefill" if first == "decode" else "decode"
         url, tokens, params = legs[second]
         futures[second] = pool.submit(completions, url, prompt, tokens, kv_transfer_params=params, timeout=http_timeout)
-        results = []
+        results: list[Completion | Exception] = []
         for name in ("prefill", "decode"):
             try:
                 results.append(futures[name].result())

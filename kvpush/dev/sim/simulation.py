@@ -13,15 +13,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, replace
 
+from kvpush.dev.sim.checks import Violations
+from kvpush.dev.sim.control_plane import ControlPlane
+from kvpush.dev.sim.decode import DecodeEngine
+from kvpush.dev.sim.nixl import Fabric
+from kvpush.dev.sim.prefill import PrefillEngine
+from kvpush.dev.sim.router import ClientRequest, Router
+from kvpush.dev.sim.world import Faults, Network, World
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.registrar.config import RegistrarConfig
-from kvpush.sim.checks import Violations
-from kvpush.sim.control_plane import ControlPlane
-from kvpush.sim.decode import DecodeEngine
-from kvpush.sim.nixl import Fabric
-from kvpush.sim.prefill import PrefillEngine
-from kvpush.sim.router import ClientRequest, Router
-from kvpush.sim.world import Faults, Network, World
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,8 @@ class Simulation:
         proc.paused_until = max(proc.paused_until, self.world.time + seconds)
 
     def _kill(self, which: str, downtime: float) -> None:
-        {"prefill": self.prefill, "decode": self.decode, "control-plane": self.cp}[which].kill(downtime)
+        parts: dict[str, PrefillEngine | DecodeEngine | ControlPlane] = {"prefill": self.prefill, "decode": self.decode, "control-plane": self.cp}
+        parts[which].kill(downtime)
 
     def _check_quiet(self, requests: list[ClientRequest]) -> None:
         for request in self.router.requests:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from kvpush.tinymodel.architectures import QWEN3_CONFIG
+from kvpush.dev.tinymodel.architectures import QWEN3_CONFIG
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB_SIZE = 4096

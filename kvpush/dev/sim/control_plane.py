@@ -14,21 +14,23 @@ connector/report_routing.py does.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpush.connector.report_routing import RETRY_FIRST_S, RETRY_MAX_S
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.sim.deployment import BLOCK_SIZE, LAYERS, SLIDING_LAYERS, WINDOW
+from kvpush.dev.sim.world import Process, Stream
 from kvpush.engine.v1 import engine_pb2
 from kvpush.errors import KvpushError, Reason, Unavailable
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.services.broker.core import BrokerCore
 from kvpush.services.broker.membership import MapMembership
-from kvpush.services.common import sample_engines as sample
 from kvpush.services.registrar.core import RegistrarCore
-from kvpush.sim.deployment import BLOCK_SIZE, LAYERS, SLIDING_LAYERS, WINDOW
-from kvpush.sim.world import Process, Stream
+from kvpush.services.registrar.directory import EngineWatch
 
 if TYPE_CHECKING:
-    from kvpush.sim.simulation import Simulation
+    from kvpush.dev.sim.simulation import Simulation
+    from kvpush.services.broker.mailboxes import Subscription
 
 BROKER_MEMBER = "broker-0"
 # An engine's per-request messages (EngineReports items in the connector): a refusal by a member that is not serving
@@ -48,7 +50,7 @@ class Rpc:
 
     def call(self, method: str, request, on_done=None, *, tries: int | None = None) -> None:
         """on_done(response, error); error is Unavailable when no answer came in time after every try."""
-        state = {"done": False, "resends": 0, "refusal": None}
+        state: dict[str, Any] = {"done": False, "resends": 0, "refusal": None}
         tries = tries or self.sim.timing.rpc_tries
         give_up_at = self.sim.world.time + tries * self.sim.timing.rpc_timeout_s
         resends_refused = method in REPORTS and self.caller != "router"
@@ -93,7 +95,7 @@ class ControlPlane:
     def __init__(self, sim: Simulation):
         self.sim = sim
         self.proc = Process(sim.world, "control-plane", sim.world.rng.uniform(-1, 1) * sim.faults.skew_s)
-        self.streams: list[tuple[Stream, object, str]] = []
+        self.streams: list[tuple[Stream, Subscription | EngineWatch, str]] = []  # (stream, its broker subscription or engine watch, kind)
         self._lease_seq = 0
         self.start()
 
@@ -146,6 +148,7 @@ class ControlPlane:
         stream = Stream(self.sim.network, client, on_message, on_broken)
 
         def subscribe() -> None:
+            subscription: Subscription | EngineWatch
             try:
                 if kind == "orders":
                     subscription = self.broker.subscribe_producer(request, caller)
@@ -176,7 +179,7 @@ class ControlPlane:
         for stream, subscription, kind in self.streams:
             for item in subscription.outbox.drain():
                 stream.send(item)
-            active = subscription.active if kind != "watch" else not subscription.outbox.closed
+            active = not subscription.outbox.closed if isinstance(subscription, EngineWatch) else subscription.active  # kind "watch"
             if stream.broken or not active:
                 self._end_stream(stream, subscription, kind)
                 stream.break_(self.sim.network.delay())
@@ -285,7 +288,7 @@ class EngineLink:
         open_()
 
 
-def rank_request(engine_id: str, role: int, incarnation: str, tp_rank: int, tp_size: int, ttl: float, pp_rank: int = 0,
+def rank_request(engine_id: str, role: engine_pb2.EngineRole, incarnation: str, tp_rank: int, tp_size: int, ttl: float, pp_rank: int = 0,
                  pp_size: int = 1, hybrid: bool = False) -> reg_pb.RegisterEngineRankRequest:
     request = sample.rank_request(engine_id, role, incarnation=incarnation, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                                   num_layers=len(LAYERS), lease_ttl_s=ttl, block_size=BLOCK_SIZE)

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.localstack.control_plane import ControlPlaneHandle
-from kvpush.localstack.process import GroupProcess, wait_for_port_file
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle
+from kvpush.dev.localstack.process import GroupProcess, wait_for_port_file
 
 ROUTER_START_TIMEOUT_S = 30.0
 

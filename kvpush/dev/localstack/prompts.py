@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-# Token ids below this are the tokenizer's special tokens (see kvpush.tinymodel).
+# Token ids below this are the tokenizer's special tokens (see kvpush.dev.tinymodel).
 FIRST_ORDINARY_TOKEN = 3
 
 

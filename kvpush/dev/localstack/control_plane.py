@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvpush.localstack.process import GroupProcess, wait_for_port_file
+from kvpush.dev.localstack.process import GroupProcess, wait_for_port_file
 from kvpush.services.common.tokens import ROUTER_IDENTITY, create_tokens
 
 CONTROL_PLANE_START_TIMEOUT_S = 30.0
@@ -27,6 +27,11 @@ class TokenFiles:
     """The token files of a local control plane whose tokens_dir holds one per identity (the router and each engine it was started for)."""
 
     tokens_dir: Path
+
+    @property
+    def address(self) -> str:
+        """Where engines reach the control plane."""
+        raise NotImplementedError(f"{type(self).__name__} has no one address: pass control_plane_address")
 
     def token_file_of(self, identity: str) -> Path:
         """The token file of identity (the router or an engine the control plane was started for)."""
@@ -53,14 +58,14 @@ class ControlPlaneHandle(TokenFiles):
     process: GroupProcess
     port: int
     work_dir: Path
+    tokens_dir: Path = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.tokens_dir = _tokens_dir(self.work_dir)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
-
-    @property
-    def tokens_dir(self) -> Path:
-        return _tokens_dir(self.work_dir)
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (graceful shutdown), then SIGKILL if it is still there after `timeout`."""

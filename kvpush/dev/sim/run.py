@@ -15,9 +15,10 @@ import multiprocessing
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvpush.sim.simulation import Simulation
+from kvpush.dev.sim.simulation import Simulation
 
 
 @dataclass
@@ -54,7 +55,8 @@ def run_schedule(seed: int) -> Outcome:
 
 def _run_range(bounds: tuple[int, int]) -> tuple[list[Outcome], Counter]:
     logging.disable(logging.CRITICAL)  # the cores log every refusal; the verdict is the invariants
-    failing, totals = [], Counter()
+    failing: list[Outcome] = []
+    totals: Counter = Counter()
     for seed in range(*bounds):
         outcome = run_schedule(seed)
         totals.update(outcome.stats)
@@ -69,6 +71,7 @@ def run_many(first_seed: int, count: int, workers: int) -> tuple[list[Outcome], 
     ranges = [(s, min(s + chunk, first_seed + count)) for s in range(first_seed, first_seed + count, chunk)]
     failing: list[Outcome] = []
     totals: Counter = Counter()
+    results: Iterable[tuple[list[Outcome], Counter]]
     if workers <= 1:
         results = map(_run_range, ranges)
     else:

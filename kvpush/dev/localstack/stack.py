@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
-from kvpush.localstack.engines import DEFAULT_START_TIMEOUT_S, ServerHandle, spawn_vllm_server, wait_until_healthy
-from kvpush.localstack.process import GroupProcess, free_fixed_port
-from kvpush.localstack.router import RouterHandle, start_router
-from kvpush.localstack.upstream import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, side_channel_env, upstream_transfer_config
+from kvpush.dev.localstack.control_plane import ControlPlaneHandle, kvpush_transfer_config, start_control_plane
+from kvpush.dev.localstack.engines import DEFAULT_START_TIMEOUT_S, ServerHandle, spawn_vllm_server, wait_until_healthy
+from kvpush.dev.localstack.process import GroupProcess, free_fixed_port
+from kvpush.dev.localstack.router import RouterHandle, start_router
+from kvpush.dev.localstack.upstream import DECODE_ENGINE_ID, PREFILL_ENGINE_ID, side_channel_env, upstream_transfer_config
 from kvpush.processes import group_members, parse_cpu_list, pin_threads
 
 MODES = ("kvpush", "upstream-push", "pull")
@@ -182,6 +182,7 @@ class Stack:
     def _transfer_config(self, role: str, engine_id: str) -> dict:
         if self.spec.mode == "kvpush":
             extra = {**self.spec.kvpush_extra, **(self.spec.prefill_extra if role == "prefill" else {})}
+            assert self.control_plane is not None, "kvpush mode starts the control plane before the engines"
             return kvpush_transfer_config(role, engine_id, self.control_plane, **extra)
         return upstream_transfer_config("push" if self.spec.mode == "upstream-push" else "pull", role, engine_id)
 

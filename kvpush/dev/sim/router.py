@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpush.connector.params import TransferParams
+from kvpush.dev.sim.control_plane import Rpc
+from kvpush.dev.sim.deployment import P_ENGINE
+from kvpush.dev.sim.world import Process
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.sim.control_plane import Rpc
-from kvpush.sim.deployment import P_ENGINE
-from kvpush.sim.world import Process
 
 if TYPE_CHECKING:
-    from kvpush.sim.simulation import Simulation
+    from kvpush.dev.sim.simulation import Simulation
 
 
 @dataclass

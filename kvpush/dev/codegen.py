@@ -12,7 +12,7 @@ import importlib.resources
 import pathlib
 import sys
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]  # kvpush/dev/codegen.py
 PROTO_ROOT = REPO_ROOT / "protos"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 

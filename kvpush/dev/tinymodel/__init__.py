@@ -2,15 +2,15 @@
 """Builds the deterministic tiny random-weight models used by tests, the demo and benchmarks (`kvpush build-model`).
 
 One builder, one architecture argument (`ARCHITECTURES` in
-`kvpush.tinymodel.architectures`, which describes each family): `qwen3`
+`kvpush.dev.tinymodel.architectures`, which describes each family): `qwen3`
 (the default; dense full attention), `deepseek_v2` (MLA), `gemma3`
 (sliding-window + full attention) and `nemotron_h` (a Mamba2 + attention
 hybrid).
 
 All share a byte-level BPE tokenizer trained on a built-in corpus
-(`kvpush.tinymodel.tokenizer`). Every tensor is drawn from its own
+(`kvpush.dev.tinymodel.tokenizer`). Every tensor is drawn from its own
 `torch.Generator`, seeded from `(architecture, seed, tensor name)`
-(`kvpush.tinymodel.weights`), and written in float32 with safetensors, so
+(`kvpush.dev.tinymodel.weights`), and written in float32 with safetensors, so
 the same seed gives byte-identical files on any machine.
 
 `kvpush-model.json` in the model folder records the architecture, the seed,
@@ -29,9 +29,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from kvpush.tinymodel.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE, architecture
-from kvpush.tinymodel.tokenizer import build_tokenizer
-from kvpush.tinymodel.weights import make_weights
+from kvpush.dev.tinymodel.architectures import ARCHITECTURES, DEFAULT_ARCHITECTURE, architecture
+from kvpush.dev.tinymodel.tokenizer import build_tokenizer
+from kvpush.dev.tinymodel.weights import make_weights
 
 MANIFEST = "kvpush-model.json"
 WEIGHTS = "model.safetensors"
@@ -50,7 +50,7 @@ def default_model_dir(arch: str = DEFAULT_ARCHITECTURE) -> Path:
     env = os.environ.get("KVPUSH_MODEL_DIR")
     if env and arch == DEFAULT_ARCHITECTURE:
         return Path(env)
-    repo_root = Path(__file__).resolve().parents[2]  # kvpush/tinymodel/__init__.py
+    repo_root = Path(__file__).resolve().parents[3]  # kvpush/dev/tinymodel/__init__.py
     if (repo_root / "pyproject.toml").is_file():
         return repo_root / "models" / name
     return Path.home() / ".cache" / "kvpush" / "models" / name
@@ -143,5 +143,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Builds the model and prints its folder and weights hash."""
     out = build_tiny_model(args.out or default_model_dir(args.arch), seed=args.seed, arch=args.arch)
-    print(f"{out} sha256={read_manifest(out)['sha256']}")
+    manifest = read_manifest(out)
+    assert manifest is not None, "build_tiny_model writes the manifest last"
+    print(f"{out} sha256={manifest['sha256']}")
     return 0

@@ -18,9 +18,9 @@ import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from kvpush.etcd.cluster import EtcdCluster
-from kvpush.localstack.control_plane import CONTROL_PLANE_START_TIMEOUT_S, DEFAULT_ENGINE_IDS, TokenFiles, kvpush_transfer_config
-from kvpush.localstack.process import GroupProcess, free_port, wait_for_port_file
+from kvpush.dev.etcd_cluster import EtcdCluster
+from kvpush.dev.localstack.control_plane import CONTROL_PLANE_START_TIMEOUT_S, DEFAULT_ENGINE_IDS, TokenFiles, kvpush_transfer_config
+from kvpush.dev.localstack.process import GroupProcess, free_port, wait_for_port_file
 from kvpush.services.common.tokens import BROKER_IDENTITY, ROUTER_IDENTITY, create_tokens
 
 # How long a process of a part gets to stop gracefully before its group is killed.

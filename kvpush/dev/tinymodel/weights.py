@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 
-from kvpush.tinymodel.architectures import EMBEDDING_KINDS, INIT_STD, architecture_of
+from kvpush.dev.tinymodel.architectures import EMBEDDING_KINDS, INIT_STD, architecture_of
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:

@@ -11,7 +11,7 @@ engine steps, so an engine that is not stepping does not update it.
 
 from __future__ import annotations
 
-from kvpush.localstack.completions import HttpError, request
+from kvpush.dev.localstack.completions import HttpError, request
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 SCRAPE_TIMEOUT_S = 10.0

@@ -23,15 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvpush.localstack.completions import SERVED_MODEL_NAME
-from kvpush.localstack.process import StartError, interrupt_on_signals
-from kvpush.localstack.stack import Stack, StackSpec
+from kvpush.dev.localstack.completions import SERVED_MODEL_NAME
+from kvpush.dev.localstack.process import StartError, interrupt_on_signals
+from kvpush.dev.localstack.stack import Stack, StackSpec
+from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
+from kvpush.dev.tinymodel.tokenizer import corpus
 from kvpush.report.breakdown import breakdown
 from kvpush.report.render import html_report, text_table, write_png
 from kvpush.sse import DONE, sse_payloads_async
 from kvpush.telemetry import read_spans
-from kvpush.tinymodel import build_tiny_model, default_model_dir
-from kvpush.tinymodel.tokenizer import corpus
 
 REQUEST_ID_PREFIX = "demo-"
 # Prompt sizes in corpus sentences (about 12 tokens each): short, medium, long, longer.
@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
                              control_plane_args=("--metrics-port", "0"), engine_start_timeout=args.engine_timeout)
             with Stack(spec, model_dir, run_dir, log_dir=run_dir / "logs", say=say) as stack:
                 stack.start()
+                assert stack.router is not None, "a kvpush stack starts its router"
                 answers = asyncio.run(run_requests(stack.router.url, args.max_tokens, started))
                 _print_answers(answers)
                 (run_dir / "outputs.json").write_text(json.dumps([dataclasses.asdict(a) for a in answers], indent=1), encoding="utf-8")

@@ -27,8 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpush.localstack.completions import SERVED_MODEL_NAME, Completion, completions, healthy
-from kvpush.localstack.process import GroupProcess, StartError, free_port
+from kvpush.dev.localstack.completions import SERVED_MODEL_NAME, Completion, completions, healthy
+from kvpush.dev.localstack.process import GroupProcess, StartError, free_port
 from kvpush.processes import cpu_seconds, group_members, parse_cpu_list, pin_threads, pss_bytes
 
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -11,18 +11,18 @@ from kvpush.connector.consumer import ConsumerCore
 from kvpush.connector.decode_waits import EVENT_TYPES, DecodeWaits
 from kvpush.connector.handoff import DestinationReady, prompt_digest
 from kvpush.connector.params import TransferParams
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.sim.control_plane import EngineLink, Rpc, rank_request
+from kvpush.dev.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, NoSpans, groups_of, prompt_of
+from kvpush.dev.sim.nixl import DecodeAgent, DecodeMemory
+from kvpush.dev.sim.world import Process
 from kvpush.errors import Unavailable
 from kvpush.layout import geometry
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
-from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
-from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, NoSpans, groups_of, prompt_of
-from kvpush.sim.nixl import DecodeAgent, DecodeMemory
-from kvpush.sim.world import Process
 
 if TYPE_CHECKING:
-    from kvpush.sim.simulation import Simulation
+    from kvpush.dev.sim.simulation import Simulation
 
 
 @dataclass
@@ -90,6 +90,7 @@ class DecodeEngine:
         request = self.requests[req_id] = DecodeRequest(req_id, key, router_leg, bound, blocks, 0, num_tokens, prompt_id)
         wait = self.waits.admit(req_id, params, "" if params is not None else "bad request: unreadable kv_transfer_params", timeout_s, 0)
         if not wait.failure:
+            assert params is not None, "without parameters the wait carries its refusal"
             self._register(request, params, timeout_s)
         self.step()
 

@@ -17,14 +17,14 @@ import random
 from dataclasses import dataclass, field
 
 from kvpush.connector.nixl_agent import NixlWrite
-from kvpush.sim.checks import Violations
-from kvpush.sim.world import Process
+from kvpush.dev.sim.checks import Violations
+from kvpush.dev.sim.world import Process
 
 
 @dataclass
 class BlockOwner:
     req_id: str
-    key: tuple[str, int]
+    key: tuple[str, int] | None  # None: the request's parameters could not be read
 
 
 @dataclass
@@ -39,7 +39,7 @@ class DecodeMemory:
     landed: dict[str, dict[tuple[int, int], tuple[int, int, int, frozenset[int]]]] = field(default_factory=dict)
     alive: bool = True
 
-    def allocate(self, req_id: str, key: tuple[str, int], count: int) -> list[int] | None:
+    def allocate(self, req_id: str, key: tuple[str, int] | None, count: int) -> list[int] | None:
         free = [b for b in range(self.num_blocks) if b not in self.owners]
         if len(free) < count:
             return None
@@ -54,15 +54,15 @@ class DecodeMemory:
             del self.owners[b]
         self.landed.pop(req_id, None)
 
-    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: tuple[int, int], tokens: tuple[int, int, int], what: str) -> str | None:
+    def land(self, key: tuple[str, int], blocks: tuple[int, ...], producer: tuple[int, int], tokens: tuple[int, int, int, frozenset[int]], what: str) -> str | None:
         """Bytes of a WRITE for key land in blocks (one group's, from producer (rank, group)); returns the owning request, or records a violation."""
         if not self.alive:
             return None  # the process died: its memory is gone
         owners = {self.owners.get(b) and self.owners[b].req_id for b in blocks}
         owner = self.owners.get(blocks[0]) if blocks else None
         if owner is None or len(owners) != 1 or any(self.owners.get(b) is None or self.owners[b].key != key for b in blocks):
-            held = sorted({(o.req_id, o.key) for b in blocks if (o := self.owners.get(b)) is not None})
-            self.violations.add("write-after-free", f"{what} for {key} landed on {self.engine} blocks {list(blocks)} now held by {held or 'nobody'}")
+            holders = sorted({(o.req_id, o.key) for b in blocks if (o := self.owners.get(b)) is not None})
+            self.violations.add("write-after-free", f"{what} for {key} landed on {self.engine} blocks {list(blocks)} now held by {holders or 'nobody'}")
             return None
         landed = self.landed[owner.req_id]
         held = landed.get(producer)
@@ -98,7 +98,7 @@ class SimPlan:
 class Fabric:
     """Every live decode agent by name; WRITEs find their destination here."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.agents: dict[str, DecodeAgent] = {}
 
 
@@ -131,8 +131,8 @@ class ProducerTransport:
         self.stuck = stuck
         self.violations = violations
         self.peers: set[str] = set()
-        self.made: dict[int, SimWrite] = {}  # made, not posted (kept until posted or released)
-        self.in_flight: dict[int, SimWrite] = {}
+        self.made: dict[object, SimWrite] = {}  # made, not posted (kept until posted or released)
+        self.in_flight: dict[object, SimWrite] = {}
         self._next = 0
         self.posted_keys: set[tuple[tuple[str, int], str, int]] = set()  # (key, decode agent, part)
 
@@ -168,6 +168,16 @@ class ProducerTransport:
         self._next += 1
         self.made[self._next] = write
         return NixlWrite(self._next, peer, sum(len(blocks) for _, blocks, _ in write.blocks), 1)
+
+    # The simulated layout has no page tables (LocalLayout.pages is None), so the core never asks for page WRITEs.
+    def prepare_pages(self, peer: str | None, rows) -> object:
+        raise NotImplementedError("the simulation writes byte segments only")
+
+    def forget_pages(self, prepared: object) -> None:
+        raise NotImplementedError("the simulation writes byte segments only")
+
+    def make_pages(self, peer: str, local, local_entries, remote, remote_entries, nbytes: int, notif: bytes) -> NixlWrite:
+        raise NotImplementedError("the simulation writes byte segments only")
 
     def start(self, write: NixlWrite) -> None:
         sim = self.made.pop(write.handle)

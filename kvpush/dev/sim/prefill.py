@@ -15,19 +15,19 @@ from kvpush.connector import write_plans
 from kvpush.connector.handoff import SourceReady
 from kvpush.connector.producer import ProducerCore
 from kvpush.connector.write_plans import LocalLayout, WritePlan
+from kvpush.dev import sample_engines as sample
+from kvpush.dev.sim.control_plane import EngineLink, Rpc, rank_request
+from kvpush.dev.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, groups_of, prompt_id_of, prompt_of, stage_layers
+from kvpush.dev.sim.nixl import ProducerTransport, SimPlan
+from kvpush.dev.sim.world import Process
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout import heads
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-from kvpush.services.common import sample_engines as sample
-from kvpush.sim.control_plane import EngineLink, Rpc, rank_request
-from kvpush.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, groups_of, prompt_id_of, prompt_of, stage_layers
-from kvpush.sim.nixl import ProducerTransport, SimPlan
-from kvpush.sim.world import Process
 
 if TYPE_CHECKING:
-    from kvpush.sim.simulation import Simulation
+    from kvpush.dev.sim.simulation import Simulation
 
 
 class PrefillRank:
