@@ -130,9 +130,10 @@ class EtcdMembership(MapMembership):
         tasks = (follow, lost, writes, step_down)
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in (follow, writes):
-                if task.done():
-                    task.result()  # raises why it stopped
+            if follow.done():
+                follow.result()  # raises why it stopped
+            if writes.done():
+                writes.result()
             if step_down.done():
                 raise _SteppedDown(self._step_down_why)
             raise Unavailable("its membership lease was lost", reason=Reason.BROKER_SHARD_LOST)
