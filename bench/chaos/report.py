@@ -130,7 +130,8 @@ def format_report(result: dict[str, Any]) -> str:
         if f["fault"] in SHARD_FAULT_WORDS:
             fo, rj = f["notes"]["failover"], f["notes"]["rejoin"]
             what, back = SHARD_FAULT_WORDS[f["fault"]]
-            lines.append(f"{f['fault']} ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the {what} ({fo['probes']} probes, "
+            lines.append(f"{f['fault']} ({f['notes']['member']}): its transfers succeed again {fo['seconds']} s after the {what}, first answered "
+                         f"{fo.get('answered_s')} s after ({fo['probes']} probes, "
                          f"failed {fo['failed_by_reason'] or 'none'}); after {back} {rj['seconds']} s ({rj['probes']} probes, "
                          f"failed {rj['failed_by_reason'] or 'none'})")
     soak_result = result.get("soak")

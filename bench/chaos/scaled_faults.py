@@ -166,8 +166,8 @@ class ScaledFaults:
         """Transfers owned by member (under `members`), straight to P and D, one started every PROBE_INTERVAL_S until one succeeds.
 
         Returns when the first succeeded, counted from `since` to the start of
-        that probe (a transfer started from then on succeeds), and how the
-        probes before it ended.
+        that probe (a transfer started from then on succeeds), when the first
+        success was answered, and how the probes before it ended.
         """
         prompt_index = PROMPT_LENGTHS.index(129)
         expected = self.stack.reference[prompt_index].token_ids
@@ -197,8 +197,12 @@ class ScaledFaults:
                 reasons[reason] = reasons.get(reason, 0) + 1
         wrong = sum(1 for _, r in results if isinstance(r.decode, Completion) and not _probe_ok(r, expected))
         seconds = None if first_ok is None else round(first_ok - since, 2)
-        self.log(f"{label}: transfers owned by {member} succeed again {seconds} s after; {len(results)} probes, failed {reasons}")
-        return {"seconds": seconds, "probes": len(results), "failed_by_reason": reasons, "wrong": wrong}
+        # A probe started before the failover may still succeed, later: when the first answer came tells the failover's latency.
+        answers = [started + r.seconds for started, r in results if _probe_ok(r, expected)]
+        answered = round(min(answers) - since, 2) if answers else None
+        self.log(f"{label}: transfers owned by {member} succeed again {seconds} s after (first answered {answered} s after); "
+                 f"{len(results)} probes, failed {reasons}")
+        return {"seconds": seconds, "answered_s": answered, "probes": len(results), "failed_by_reason": reasons, "wrong": wrong}
 
     def _probe(self, transfer_id: str, prompt_index: int) -> Dispatch:
         return dispatch(self.stack.engines["prefill"].url, PREFILL_ID, self.stack.engines["decode"].url, DECODE_ID, self.stack.prompts[prompt_index],
