@@ -42,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shard-lease-ttl", type=int, default=2, help="broker members' etcd lease TTL (seconds)")
     parser.add_argument("--run-dir", type=Path, help="where logs and result.json go (default runs/chaos-<timestamp>)")
     parser.add_argument("--model-dir", type=Path, help="the tiny model (built if missing)")
+    parser.add_argument("--runs", type=int, default=1, help="run everything this many times, one after another, each on a fresh stack")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH ('-' for stdout, after the report)")
     args = parser.parse_args(argv)
     settings = dataclasses.replace(
@@ -49,7 +50,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         pre_s=args.pre, post_s=args.post, part_down_s=args.down, pause_s=args.pause, registrar_outage_s=args.registrar_outage, shard_lease_ttl_s=args.shard_lease_ttl, run_dir=args.run_dir,
         model_dir=args.model_dir,
     )
-    return run_and_report(settings, args.json, "failover")
+    if args.runs < 1:
+        parser.error(f"--runs must be at least 1, not {args.runs}")
+    return run_and_report(settings, args.json, "failover", runs=args.runs)
 
 
 if __name__ == "__main__":

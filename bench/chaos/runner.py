@@ -83,18 +83,25 @@ def fault_list(text: str) -> tuple[str, ...]:
     return tuple(fault for fault in text.split(",") if fault)
 
 
-def run_and_report(settings: Settings, json_path: str | None, prog: str) -> int:
-    """Runs settings, prints the report (and the result as JSON to json_path: '-' for stdout); the exit status (0: passed, 130: interrupted)."""
+def run_and_report(settings: Settings, json_path: str | None, prog: str, runs: int = 1) -> int:
+    """Runs settings `runs` times, one after another, each on a fresh stack, printing each report (and the result as JSON to
+    json_path, '-' for stdout: one run's result, or {"runs": [...]} for several); the exit status (0: passed, 130: interrupted)."""
+    results = []
     try:
         with interrupt_on_signals():
-            result = run(settings)
+            for index in range(runs):
+                each = settings
+                if runs > 1 and settings.run_dir is not None:
+                    each = dataclasses.replace(settings, run_dir=settings.run_dir / f"run-{index + 1}")
+                results.append(run(each))
+                print()
+                print(format_report(results[-1]))
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (every process it started was stopped)", file=sys.stderr)
         return 130
-    print()
-    print(format_report(result))
+    document: dict[str, Any] = results[0] if runs == 1 else {"command": " ".join(sys.argv), "runs": results}
     if json_path == "-":
-        print(json.dumps(result, default=str))
+        print(json.dumps(document, default=str))
     elif json_path:
-        Path(json_path).write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
-    return 0 if result["verdict"]["passed"] else 1
+        Path(json_path).write_text(json.dumps(document, indent=1, default=str), encoding="utf-8")
+    return 0 if all(result["verdict"]["passed"] for result in results) else 1
