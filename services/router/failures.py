@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.http_errors import error_body
 from kvpush.services.router.core import (
     BROKER_MEMBER_UNREACHABLE,
     BROKER_SIDE,
@@ -25,13 +26,6 @@ from kvpush.services.router.core import (
     Endpoint,
     Verdict,
 )
-
-ERROR_TYPES = {400: "BadRequestError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
-
-
-def error_body(status: int, message: str, **details: Any) -> dict[str, Any]:
-    """An OpenAI-style error object; details (leg, engine_id) say which part failed."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status, **details}}
 
 
 def error_response(status: int, message: str, **details: Any) -> web.Response:
