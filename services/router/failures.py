@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.http_errors import INVALID_REQUEST, error_body
 from kvpush.services.router.core import (
     BROKER_MEMBER_UNREACHABLE,
     BROKER_SIDE,
@@ -25,13 +26,6 @@ from kvpush.services.router.core import (
     Endpoint,
     Verdict,
 )
-
-ERROR_TYPES = {400: "BadRequestError", 409: "ConflictError", 502: "BadGatewayError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}
-
-
-def error_body(status: int, message: str, **details: Any) -> dict[str, Any]:
-    """An OpenAI-style error object; details (leg, engine_id) say which part failed."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status, **details}}
 
 
 def error_response(status: int, message: str, **details: Any) -> web.Response:
@@ -115,12 +109,18 @@ def failure_from_exception(leg: str, endpoint: Endpoint, exc: BaseException, lim
     return LegFailure(leg, endpoint, "connection", f"connection failed: {type(exc).__name__}: {exc}")
 
 
+def _transfer_answer(error: Any) -> bool:
+    """An engine's kvpush middleware answered a failed transfer (kvpush.connector.middleware): the broker's word decides, as for a 5xx."""
+    return isinstance(error, dict) and "transfer_id" in error and error.get("reason") not in (None, INVALID_REQUEST)
+
+
 async def status_failure(leg: str, endpoint: Endpoint, response: aiohttp.ClientResponse) -> LegFailure:
     body = await response.read()
     try:
-        message = json.loads(body)["error"]["message"]
+        error = json.loads(body)["error"]
+        message = error["message"]
     except (ValueError, KeyError, TypeError):
-        message = body[:500].decode(errors="replace")
-    if 400 <= response.status < 500:
+        error, message = {}, body[:500].decode(errors="replace")
+    if 400 <= response.status < 500 and not _transfer_answer(error):
         return LegFailure(leg, endpoint, "rejected", f"HTTP {response.status}: {message}", status=response.status, retryable=False, engine_body=body)
     return LegFailure(leg, endpoint, "engine_error", f"HTTP {response.status}: {message}")
