@@ -22,7 +22,7 @@ from kvpush.dev.localstack.prompts import prompt_token_ids
 from kvpush.dev.localstack.transfers import cancel_transfer, dispatch, new_transfer_id, transfer_params
 from kvpush.rendezvous.v1 import transfer_pb2
 from kvpush.sse import DONE
-from tests.e2e.test_kvpush_hybrid_faults import (
+from tests.e2e.engine_faults import (
     assert_free_blocks_return,
     background,
     engine_core,

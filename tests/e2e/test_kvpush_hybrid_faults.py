@@ -29,19 +29,17 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import threading
 import time
 from dataclasses import dataclass
 
-import psutil
 import pytest
 
 from kvpush.dev.localstack.completions import Completion, HttpError, completion_body, completions
-from kvpush.dev.localstack.metrics import free_kv_blocks
 from kvpush.dev.localstack.prompts import prompt_token_ids
 from kvpush.dev.localstack.transfers import dispatch, get_transfer, new_transfer_id, transfer_params
 from kvpush.dev.tinymodel import build_tiny_model, default_model_dir
 from kvpush.rendezvous.v1 import transfer_pb2
+from tests.e2e.engine_faults import assert_free_blocks_return, background, engine_core, paused, settled_free_blocks, transfer_or_none
 from tests.e2e.pd_pair import MAX_TOKENS, checked_transfers, pd_pair
 from tests.waiting import wait_for
 
@@ -49,7 +47,6 @@ pytestmark = pytest.mark.engine
 
 SERVED_PROMPT = prompt_token_ids(300, seed=300)  # several blocks, not a multiple of the 128-token block
 CANCELLED_PROMPT = prompt_token_ids(1000, seed=1000)  # many blocks held on D: a leak of them shows in the count
-STEP_PROMPT = prompt_token_ids(4, seed=7)
 WRITE_RESULT = transfer_pb2.TIMELINE_ENTRY_KIND_WRITE_RESULT
 WAITING_FOR_PREFILL = transfer_pb2.TRANSFER_STATE_WAITING_FOR_PREFILL
 
@@ -64,18 +61,6 @@ class Pair:
     free_blocks: tuple[int, int]  # (P, D) once that transfer was over
 
 
-def settled_free_blocks(server) -> int:
-    # vLLM publishes the gauge from engine steps: a short local request makes the engine step first.
-    completions(server.url, STEP_PROMPT, 1)
-    return free_kv_blocks(server.url)
-
-
-def assert_free_blocks_return(servers, before: tuple[int, ...], timeout: float = 30.0) -> None:
-    """Each server's free KV blocks come back to `before` (in order) within `timeout`."""
-    wait_for(lambda: tuple(settled_free_blocks(s) for s in servers) == before or None, timeout, interval=0.5,
-             what=f"free blocks back to {before}")
-
-
 @pytest.fixture(scope="module", params=["gemma3", "nemotron_h"])
 def pair(request, tmp_path_factory):
     """One P/D pair per model; pytest runs all of a model's tests on its pair before starting the next."""
@@ -88,12 +73,6 @@ def pair(request, tmp_path_factory):
         assert not isinstance(first.decode, Exception), first.decode
         assert get_transfer(control_plane, first.transfer_id).state == transfer_pb2.TRANSFER_STATE_DONE
         yield Pair(ids, control_plane, prefill, decode, first.decode, (settled_free_blocks(prefill), settled_free_blocks(decode)))
-
-
-def transfer_or_none(pair: Pair, transfer_id: str):
-    with contextlib.suppress(Exception):  # NOT_FOUND until D registers
-        return get_transfer(pair.control_plane, transfer_id)
-    return None
 
 
 def wait_until_decode_waits(pair: Pair, transfer_id: str) -> None:
@@ -126,44 +105,6 @@ def streaming_decode_leg(pair: Pair, transfer_id: str, prompt):
 def disconnect(conn: http.client.HTTPConnection) -> None:
     conn.sock.close()  # the client goes away mid-wait; D aborts the request and cancels its transfer
     conn.close()
-
-
-def engine_core(server) -> psutil.Process:
-    """The server's engine core process (vLLM titles it VLLM::EngineCore): it schedules; the worker computes."""
-    for pid in server.pids():
-        with contextlib.suppress(psutil.Error):
-            process = psutil.Process(pid)
-            if "EngineCore" in " ".join(process.cmdline()):
-                return process
-    raise AssertionError(f"no EngineCore process among {server.pids()}")
-
-
-@contextlib.contextmanager
-def paused(process: psutil.Process):
-    """SIGSTOP for the block; SIGCONT after it, whatever happened (psutil checks it is still the same process)."""
-    process.suspend()
-    try:
-        yield
-    finally:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            process.resume()
-
-
-def background(fn) -> tuple[threading.Thread, dict]:
-    """Runs fn() on a thread; the returned dict gets its result or exception under "result"."""
-    outcome: dict = {}
-
-    def run():
-        t0 = time.monotonic()
-        try:
-            outcome["result"] = fn()
-        except Exception as exc:  # asserted on by the caller
-            outcome["result"] = exc
-        outcome["seconds"] = time.monotonic() - t0
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, outcome
 
 
 def assert_cancelled_by_decode_and_fenced(pair: Pair, transfer_id: str):
