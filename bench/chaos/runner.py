@@ -99,7 +99,7 @@ def run_and_report(settings: Settings, json_path: str | None, prog: str, runs: i
     except KeyboardInterrupt:
         print(f"{prog}: interrupted (every process it started was stopped)", file=sys.stderr)
         return 130
-    document: dict[str, Any] = results[0] if runs == 1 else {"command": " ".join(sys.argv), "runs": results}
+    document: dict[str, Any] = results[0] if runs == 1 else {"command": " ".join([f"python -m bench.{prog}", *sys.argv[1:]]), "runs": results}
     if json_path == "-":
         print(json.dumps(document, default=str))
     elif json_path:
