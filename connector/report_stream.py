@@ -123,10 +123,16 @@ class ReportStream:
         """Keeps the stream open, sending what is queued and dispatching answers, until the session closes."""
         backoff = Backoff()
         while not self._closed():
-            if not await self._broker.wait_connected(CONNECT_WAIT_S):
+            try:
+                await self._broker.wait_ready(CONNECT_WAIT_S)
+            except errors.Unavailable:
                 # Nothing goes out while the member cannot be reached: its items stay unsent, so if it leaves the map they
                 # go to their new owner (ReportRouter.remove_member) instead of failing as perhaps applied.
                 self._expire(self._queue)
+                continue
+            except Exception as exc:  # the channel itself failed: try again, as after a failed stream
+                logger.warning("kvpush: EngineReports stream cannot wait for its channel (%s); again in %.2fs", exc, backoff.delay_s)
+                await backoff.sleep()
                 continue
             call = self._broker.engine_reports(self._engine_id)
             inflight: deque[list[Report]] = deque()

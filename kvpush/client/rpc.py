@@ -155,22 +155,6 @@ class ServiceClient:
             self._stub = self.STUB(self._channel)
         return self._channel
 
-    async def wait_connected(self, timeout_s: float) -> bool:
-        """Whether the channel is connected, or connects within timeout_s (it is asked to try): a stream opened on it then
-        reaches the server, while one opened before would fail without anything sent having arrived."""
-        channel = self._ensure_channel()
-        state = channel.get_state(try_to_connect=True)
-        if state == grpc.ChannelConnectivity.READY:
-            return True
-        try:
-            async with asyncio.timeout(timeout_s):
-                while state != grpc.ChannelConnectivity.READY:
-                    await channel.wait_for_state_change(state)
-                    state = channel.get_state(try_to_connect=True)
-        except TimeoutError:
-            return False
-        return True
-
     def _get_stub(self) -> Any:
         self._ensure_channel()
         return self._stub

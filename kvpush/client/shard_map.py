@@ -32,6 +32,9 @@ UNSHARDED = ""
 
 # How many of a member's heartbeat intervals of silence mean it is hung or cut off (its map is followed elsewhere then).
 SILENT_HEARTBEATS = 4
+# How long a new WatchShards stream may wait for its first map before any member named its heartbeat interval: a member
+# sends its map at once, so one that does not is hung (a stream opened on a hung member would wait until it wakes).
+FIRST_MAP_S = 5.0
 
 # cb(added, removed): member_id -> address. A member whose address changed is in both.
 Listener = Callable[[dict[str, str], dict[str, str]], None]
@@ -67,6 +70,7 @@ class ShardMap:
         self.ready = asyncio.Event()
         self._listeners: list[Listener] = []
         self._task: asyncio.Task | None = None
+        self._first_map_s = FIRST_MAP_S  # SILENT_HEARTBEATS intervals once a member named its interval
 
     @property
     def followed(self) -> str:
@@ -128,7 +132,7 @@ class ShardMap:
     async def _follow(self) -> None:
         while True:
             address = self._followed
-            silence_s = None  # until a member says how often it repeats its map
+            silence_s: float | None = self._first_map_s  # until this member says how often it repeats its map
             try:
                 async with self._client().watch_shards() as stream:
                     responses = aiter(stream)
@@ -142,6 +146,8 @@ class ShardMap:
                         self._apply(response)
                         interval = response.heartbeat_interval.ToNanoseconds() / 1e9 if response.revision else 0.0
                         silence_s = SILENT_HEARTBEATS * interval if interval else None
+                        if silence_s is not None:
+                            self._first_map_s = silence_s
                 if not self.sharded:
                     return  # an unsharded broker said its map once: it never changes
                 logger.warning("shard map stream on %s ended; following another member", address)

@@ -99,3 +99,37 @@ async def test_a_hung_first_member_is_left_for_another_at_once_and_dropped_when_
                 assert await held_by(plane, shards.owner(moved, {m: a for m, a in addresses.items() if m != "b1"}), moved)
             finally:
                 hung.signal(signal.SIGCONT)
+
+
+async def test_a_client_leaving_a_hung_member_for_another_hung_one_moves_on_again(tmp_path, etcd_cluster, etcd_prefix):
+    """Two of three members hung at once: the member the client turns to next says nothing either, and a new stream's
+    first map is awaited only as long as a known member's silence bound, so it reaches the third within a few seconds."""
+    async with deployment(tmp_path, etcd_cluster.endpoints, etcd_prefix) as plane:
+        await plane.start_brokers("b1", "b2", "b3")
+        addresses = {member_id: service.address for member_id, service in plane.brokers.items()}
+        config = ClientConfig(target=addresses["b1"], token=plane.token("decode-0"), default_timeout_s=1.0)
+        shard_map = ShardMap(config, backoff=Backoff(0.02, 0.2))
+        async with ShardedBrokerClient(config, shard_map=shard_map) as client:
+            assert await shard_map.wait_ready(WAIT_S)
+            await eventually(lambda: shard_map.members() == addresses)
+            # A call to every member: the process holds a connection to each, as an engine does, so a stream opened on a
+            # hung member rides an open connection and hears nothing (no connect or handshake to fail).
+            for member_id in addresses:
+                owned = next(t for t in (f"c{n}" for n in range(100)) if shards.owner(t, addresses) == member_id)
+                await client.register_destination(sample.destination_request(owned))
+            # The client turns to the next address after the one it leaves (kvpush.client.shard_map): hang that one too.
+            ring = sorted(addresses.values())
+            turned_to = ring[(ring.index(addresses["b1"]) + 1) % len(ring)]
+            by_address = {address: member_id for member_id, address in addresses.items()}
+            (last,) = set(addresses) - {"b1", by_address[turned_to]}
+            hung = [plane.brokers[m].process for m in ("b1", by_address[turned_to])]
+            for process in hung:
+                process.signal(signal.SIGSTOP)
+            try:
+                paused_at = time.monotonic()
+                await eventually(lambda: shard_map.followed == addresses[last], 5.0)
+                assert time.monotonic() - paused_at < 4.0
+                await eventually(lambda: set(shard_map.members()) == {last}, LEASE_TTL_S + 3.0)
+            finally:
+                for process in hung:
+                    process.signal(signal.SIGCONT)

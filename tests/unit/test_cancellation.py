@@ -75,8 +75,8 @@ class _NoAnswer:
 
     target = "stalled"
 
-    async def wait_connected(self, timeout_s: float) -> bool:
-        return True
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Always connected."""
 
     def engine_reports(self, engine_id: str):
         return _SilentCall()
