@@ -10,6 +10,11 @@ membership lease (an etcd election): it then stops serving, ends its live
 attempts BROKER_SHARD_LOST and refuses everything, until it is sure again.
 An engine sends a report it refused that way again after a pause, as
 connector/report_routing.py does.
+
+In a sharded schedule the broker's calls go instead to the members of
+shards.py, each to its transfer's owner in the caller's map (Rpc.call
+follows a NOT_SHARD_OWNER answer to the owner it names); the control
+plane then serves the registrar alone.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@
 Each process runs kvpush's own code — RegistrarCore, BrokerCore,
 ProducerCore, ConsumerCore, DecodeWaits — and stands in only for what
 surrounds it: gRPC (control_plane.py), vLLM's scheduling (prefill and decode
-take time, blocks are allocated and freed: prefill.py, decode.py) and the
-router's retry policy (router.py).
+take time, blocks are allocated and freed: prefill.py, decode.py), the
+router's retry policy (router.py) and, in half the schedules, etcd and a
+broker of several members with the clients' shard maps (shards.py,
+shard_maps.py).
 """
 
 from __future__ import annotations
