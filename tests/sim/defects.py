@@ -199,6 +199,19 @@ def _lease_doubt_fences_at_once():
     return patched((AttemptMachine, "end", end))
 
 
+def _moved_transfer_fenced_at_once():
+    """M1. A member that saw a transfer move to a member that joined fenced the attempt it ended at once, as if the producer had dropped its order with the old map."""
+    original = AttemptMachine.end
+
+    def end(self, att, state, reason, detail, now):
+        if reason == transfer_pb2.END_REASON_BROKER_SHARD_MOVED:
+            for _, order in att.unanswered():
+                order.answer = a.TIMED_OUT
+        original(self, att, state, reason, detail, now)
+
+    return patched((AttemptMachine, "end", end))
+
+
 def _stages_not_counted():
     """S1. A pipeline-parallel prefill's decode ranks counted one notification per TP rank, not per (stage, rank): they decoded once any stage had written."""
     return patched((write_plans, "notifications_expected", lambda local, d_rank, routes: heads.expected_notifications(d_rank, routes)))
@@ -223,6 +236,9 @@ class Defect:
     expected: str  # the violation kind the simulation reports
     seeds: tuple[int, ...] = ()  # schedules in which the simulation found it (searched from seed 0 up)
     timing: Timing = Timing()
+    # Broker members of its schedules: 1 for the defects recorded before the broker could be sharded (their seeds
+    # replay as recorded: a one-member schedule draws nothing more); None draws them from the seed as `kvpush sim` does.
+    members: int | None = 1
 
     @property
     def title(self) -> str:
@@ -255,6 +271,8 @@ SIMULATED = [
     Defect("A1", "returning agent unloaded", _returning_agent_unloaded, "agent-unloaded-in-flight", (36902, 53561, 62142)),
     # Found once the broker member could doubt its lease (kvpush/dev/sim/control_plane.py).
     Defect("L1", "lease doubt fenced at once", _lease_doubt_fences_at_once, "write-after-free", (3, 38, 45)),
+    # Found once the broker could be sharded (kvpush/dev/sim/shards.py): a transfer moves only between members.
+    Defect("M1", "moved transfer fenced at once", _moved_transfer_fenced_at_once, "write-after-free", (117, 401, 448), members=None),
     # Found once the simulated prefill engine could be pipeline-parallel (kvpush/dev/sim/prefill.py).
     Defect("S1", "stages not counted", _stages_not_counted, "short-receive", (0, 1, 2)),
     # Found once the simulated engines could serve a hybrid model (kvpush/dev/sim/deployment.py).
@@ -278,7 +296,7 @@ def search(first: int = 0, count: int = 20_000, wanted: int = 3) -> None:
         found = []
         with defect.patch():
             for seed in range(first, first + count):
-                if defect.expected in Simulation(seed, defect.timing).run().kinds:
+                if defect.expected in Simulation(seed, defect.timing, defect.members).run().kinds:
                     found.append(seed)
                     if len(found) == wanted:
                         break

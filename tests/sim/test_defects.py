@@ -23,9 +23,9 @@ from kvpush.services.registrar.core import RegistrarCore
 def test_the_simulation_finds_the_defect_and_the_fix_holds(defect):
     for seed in defect.seeds:
         with defect.patch():
-            found = Simulation(seed, defect.timing).run()
+            found = Simulation(seed, defect.timing, defect.members).run()
         assert defect.expected in found.kinds, (seed, found.items[:3])
-        fixed = Simulation(seed, defect.timing).run()
+        fixed = Simulation(seed, defect.timing, defect.members).run()
         assert not fixed, (seed, fixed.items[:3])
 
 

@@ -27,6 +27,11 @@ def test_thousands_of_faulty_schedules_violate_no_invariant():
         assert totals[f"fault {fault}"] > CI_SCHEDULES // 10, fault
     assert totals["schedules with stuck WRITEs"] > 0 and totals["schedules with message loss"] > 0
     assert totals["schedules with refused posts"] > 0
+    # A sharded broker's members lost, gave up and took back transfers.
+    assert totals["schedules with broker shards"] > CI_SCHEDULES // 3
+    for fault in ("member_pauses", "etcd_cuts", "engine_cuts", "leaves", "member_kills"):
+        assert totals[f"fault {fault}"] > CI_SCHEDULES // 20, fault
+    assert totals["shard map changes"] > CI_SCHEDULES // 2
 
 
 def test_a_seed_replays_exactly():

@@ -10,13 +10,18 @@ membership lease (an etcd election): it then stops serving, ends its live
 attempts BROKER_SHARD_LOST and refuses everything, until it is sure again.
 An engine sends a report it refused that way again after a pause, as
 connector/report_routing.py does.
+
+In a sharded schedule the broker's calls go instead to the members of
+shards.py, each to its transfer's owner in the caller's map (Rpc.call
+follows a NOT_SHARD_OWNER answer to the owner it names); the control
+plane then serves the registrar alone.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvpush.connector.report_routing import RETRY_FIRST_S, RETRY_MAX_S
+from kvpush.connector.report_routing import MAX_REDIRECTS, RETRY_FIRST_S, RETRY_MAX_S
 from kvpush.dev import sample_engines as sample
 from kvpush.dev.sim.deployment import BLOCK_SIZE, LAYERS, SLIDING_LAYERS, WINDOW
 from kvpush.dev.sim.world import Process, Stream
@@ -47,18 +52,31 @@ class Rpc:
         self.client = client
         self.caller = caller
         self.cut_until = 0.0  # a network cut between this client and the control plane
+        self.client_map = None  # a sharded broker's map as this client sees it (shard_maps.ClientMap)
 
-    def call(self, method: str, request, on_done=None, *, tries: int | None = None) -> None:
-        """on_done(response, error); error is Unavailable when no answer came in time after every try."""
-        state: dict[str, Any] = {"done": False, "resends": 0, "refusal": None}
+    def call(self, method: str, request, on_done=None, *, tries: int | None = None, member_for=None, on_route=None) -> None:
+        """on_done(response, error); error is Unavailable when no answer came in time after every try.
+
+        With a sharded broker a broker call goes to the transfer's owner in this client's map, or to member_for(),
+        when it names a member of the map (a write result goes to the member whose order it answers); on_route(member)
+        is told where each try went.
+        """
+        state: dict[str, Any] = {"done": False, "resends": 0, "refusal": None, "redirect": None, "redirects": 0}
         tries = tries or self.sim.timing.rpc_tries
         give_up_at = self.sim.world.time + tries * self.sim.timing.rpc_timeout_s
         resends_refused = method in REPORTS and self.caller != "router"
+        sharded = self.sim.shards is not None and method in REPORTS
+        # A member that is not serving applied nothing; nor did one that named no owner to follow: send again later.
+        resend_reasons = (Reason.BROKER_SHARD_LOST, Reason.NOT_SHARD_OWNER) if sharded else (Reason.BROKER_SHARD_LOST,)
 
         def finish(response, error, *, last: bool = False) -> None:
             if state["done"]:
                 return
-            if not last and resends_refused and getattr(error, "reason", None) == Reason.BROKER_SHARD_LOST:
+            reason = getattr(error, "reason", None)
+            if not last and sharded and reason == Reason.NOT_SHARD_OWNER and self._redirect(state, error):
+                send()
+                return
+            if not last and resends_refused and error is not None and reason in resend_reasons:
                 delay = min(RETRY_FIRST_S * 2 ** state["resends"], RETRY_MAX_S)
                 if self.sim.world.time + delay < give_up_at:
                     state["resends"] += 1
@@ -70,8 +88,20 @@ class Rpc:
                 on_done(response, error)
 
         def send() -> None:
-            if not state["done"] and self.sim.world.time >= self.cut_until:
+            if state["done"] or self.sim.world.time < self.cut_until:
+                return
+            if not sharded:
                 self.sim.cp.receive(self, method, request, finish)
+                return
+            name, state["redirect"] = state["redirect"], None
+            preferred = member_for() if member_for is not None else None
+            name = name or (preferred if preferred in self.client_map.members else self.client_map.owner(request.key.transfer_id))
+            member = self.sim.shards.member(name) if name else None
+            if member is None:
+                return  # no member in the map: no answer, as from a broker that cannot be reached
+            if on_route is not None:
+                on_route(name)
+            member.receive(self, method, request, finish)
 
         def attempt(n: int) -> None:
             if state["done"]:
@@ -83,6 +113,15 @@ class Rpc:
                 self.client.later(self.sim.timing.rpc_timeout_s, lambda: finish(None, state["refusal"] or Unavailable(f"{method}: no answer"), last=True))
 
         attempt(0)
+
+    def _redirect(self, state: dict, error) -> bool:
+        """Follows a NOT_SHARD_OWNER answer to the owner it names, a few times (ShardedBrokerClient, ReportRouter)."""
+        owner = error.metadata.get("owner_member_id", "")
+        if not owner or state["redirects"] >= (1 if self.caller == "router" else MAX_REDIRECTS) or self.sim.shards.member(owner) is None:
+            return False
+        state["redirects"] += 1
+        state["redirect"] = owner
+        return True
 
     def reply(self, finish, response, error) -> None:
         if self.sim.world.time >= self.cut_until:
@@ -101,6 +140,8 @@ class ControlPlane:
 
     def start(self) -> None:
         self.registrar = RegistrarCore(self.sim.timing.registrar, self.proc, new_lease_id=self._new_lease_id)
+        if self.sim.shards is not None:  # the broker members follow the registrar's engines
+            self.registrar.add_removal_listener(self.sim.shards.engine_removed)
         self.lease_sure = True  # the broker member surely holds its membership lease
         self.membership = MapMembership(BROKER_MEMBER, lambda: self.lease_sure)
         self.membership.update({BROKER_MEMBER: self.proc.name}, 1)

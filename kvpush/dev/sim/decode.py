@@ -15,6 +15,7 @@ from kvpush.dev import sample_engines as sample
 from kvpush.dev.sim.control_plane import EngineLink, Rpc, rank_request
 from kvpush.dev.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, NoSpans, groups_of, prompt_of
 from kvpush.dev.sim.nixl import DecodeAgent, DecodeMemory
+from kvpush.dev.sim.shard_maps import ClientMap, MemberStreams
 from kvpush.dev.sim.world import Process
 from kvpush.errors import Unavailable
 from kvpush.layout import geometry
@@ -59,6 +60,8 @@ class DecodeEngine:
         self.consumer = ConsumerCore(self.agent, NoSpans(), self.proc)
         self.requests: dict[str, DecodeRequest] = {}
         self.ready = False
+        if sim.shards is not None:  # a new session follows the map afresh
+            self.map = self.rpc.client_map = ClientMap(sim, self.proc, self.rpc)
         self._stepping = False
         request = rank_request(D_ENGINE, sample.DECODE, self.incarnation, 0, 1, sim.timing.registrar.default_lease_ttl_s, hybrid=sim.hybrid)
         self.link = EngineLink(sim, self.proc, self.rpc, request, self._linked)
@@ -66,7 +69,18 @@ class DecodeEngine:
     def _linked(self) -> None:
         self.ready = True
         events = rv_pb.StreamTransferEventsRequest(engine_id=D_ENGINE, incarnation=self.incarnation, event_types=EVENT_TYPES)
-        self.link.follow("events", events, lambda: None, self._on_event, lambda: None)
+        if self.sim.shards is None:
+            self.link.follow("events", events, lambda: None, self._on_event, lambda: None)
+            return
+        MemberStreams(self.sim, self.map, "events", events, lambda member: member, lambda _member, message: self._on_event(message), lambda _member: None)
+        self.map.listeners.append(self._members_changed)
+
+    def _members_changed(self, added: set[str], removed: set[str]) -> None:
+        """A member left this engine's map: the requests registered with it fail, their blocks held (DecodeWaits.member_left)."""
+        for member in sorted(removed):
+            self.waits.member_left(member, frozenset(self.map.members))
+        if removed:
+            self.step()
 
     def _on_event(self, message) -> None:
         self.waits.on_event(message.event)
@@ -115,7 +129,7 @@ class DecodeEngine:
                 self.waits.registration_refused(key, str(error), error.metadata.get("fenced") == "true")
             self.step()
 
-        self.rpc.call("RegisterDestination", registration, done)
+        self.rpc.call("RegisterDestination", registration, done, on_route=lambda member: self.waits.routed(key, member))
 
     def abort(self, req_id: str) -> None:
         request = self.requests.get(req_id)

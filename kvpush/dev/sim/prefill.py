@@ -19,6 +19,7 @@ from kvpush.dev import sample_engines as sample
 from kvpush.dev.sim.control_plane import EngineLink, Rpc, rank_request
 from kvpush.dev.sim.deployment import BLOCK_SIZE, D_ENGINE, LAYERS, P_ENGINE, NoSpans, groups_of, prompt_id_of, prompt_of, stage_layers
 from kvpush.dev.sim.nixl import ProducerTransport, SimPlan
+from kvpush.dev.sim.shard_maps import ClientMap, MemberStreams
 from kvpush.dev.sim.world import Process
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout import heads
@@ -51,7 +52,10 @@ class PrefillRank:
         local = self.core.local
         orders = rv_pb.StreamWriteOrdersRequest(engine_id=P_ENGINE, incarnation=self.engine.incarnation, tp_rank=local.tp_rank, pp_rank=local.pp_rank,
                                                 early_orders=True)
-        self.link.follow("orders", orders, self._opened, self._on_order_message, self._lost)
+        if self.engine.sim.shards is None:
+            self.link.follow("orders", orders, self._opened, self._on_order_message, self._lost)
+        else:  # one order stream per broker member of the engine's map: each orders the transfers it owns
+            MemberStreams(self.engine.sim, self.engine.map, "orders", orders, self._member_opened, self._on_member_message, self._member_lost)
         watch = reg_pb.WatchEnginesRequest(role=engine_pb2.ENGINE_ROLE_DECODE)
         self.link.follow("watch", watch, lambda: None, lambda m: self.handle(("engine", m)), lambda: None)
 
@@ -64,6 +68,17 @@ class PrefillRank:
 
     def _lost(self) -> None:
         self.handle(("stream_lost", self._stream))
+
+    def _member_opened(self, member: str) -> int:
+        self._stream += 1
+        self.handle(("stream_opened", self._stream, member))
+        return self._stream
+
+    def _on_member_message(self, stream: int, message) -> None:
+        self.handle(("stream", stream, message))
+
+    def _member_lost(self, stream: int) -> None:
+        self.handle(("stream_lost", stream))
 
     def _plan(self, source, order, peer, layers: frozenset[int] | None = None) -> list[WritePlan]:
         dest = order.order.destination
@@ -83,7 +98,9 @@ class PrefillRank:
                 for d_rank in order.order.decode_tp_ranks]
 
     def _report(self, request) -> None:
-        self.engine.rpc.call("ReportWriteResult", request)
+        # Sharded, the answer goes to the member whose order it answers: it holds the attempt, owner or not.
+        key = (request.key.transfer_id, request.key.attempt)
+        self.engine.rpc.call("ReportWriteResult", request, member_for=lambda: self.core.answer_member(key))
 
     def handle(self, item: tuple) -> None:
         self.core.handle(item)
@@ -138,6 +155,8 @@ class PrefillEngine:
         self.incarnation_seq += 1
         self.incarnation = f"p-inc-{self.incarnation_seq}"
         self.requests = {}
+        if self.sim.shards is not None:  # a new session follows the map afresh
+            self.map = self.rpc.client_map = ClientMap(self.sim, self.proc, self.rpc)
         self.ranks = [PrefillRank(self, tp, pp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
 
     def layers_of(self, producer: int) -> frozenset[int]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvpush.connector.params import TransferParams
 from kvpush.dev.sim.control_plane import Rpc
 from kvpush.dev.sim.deployment import P_ENGINE
+from kvpush.dev.sim.shard_maps import ClientMap
 from kvpush.dev.sim.world import Process
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
@@ -47,6 +48,8 @@ class Router:
         self.sim = sim
         self.proc = Process(sim.world, "router", 0.0)
         self.rpc = Rpc(sim, self.proc, "router")
+        if sim.shards is not None:
+            self.rpc.client_map = ClientMap(sim, self.proc, self.rpc)
         self.requests: list[ClientRequest] = []
 
     def submit(self, request: ClientRequest, *, collide_with: ClientRequest | None = None, malformed: bool = False) -> None:

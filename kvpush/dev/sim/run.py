@@ -49,6 +49,11 @@ def run_schedule(seed: int) -> Outcome:
     stats["schedules with pipeline stages"] += sim.prefill.pp_size > 1
     stats["schedules with hybrid KV cache groups"] += sim.hybrid
     stats["schedules with layer-progressive push"] += sim.prefill.progressive
+    if sim.shards is not None:
+        stats["schedules with broker shards"] += 1
+        for name, n in sim.shard_faults.items():
+            stats[f"fault {name}"] += n
+        stats["shard map changes"] += sim.shards.etcd.revision - sim.shards.first_revision
     stats["events"] += sim.world.events
     return Outcome(seed, [(v.kind, v.detail, v.time) for v in violations.items], stats)
 
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  client requests {totals['client requests']}: ok {totals['answered ok']}, failed with a reason {totals['answered failed']}, "
           f"attempts {totals['attempts']}")
     print("  faults: " + ", ".join(f"{name[6:]} {totals[name]}" for name in sorted(totals) if name.startswith("fault ")))
+    print(f"  shard map changes: {totals['shard map changes']}")
     print("  schedules with: " + ", ".join(f"{name[15:]} {totals[name]}" for name in sorted(totals) if name.startswith("schedules with ")))
     print(f"  invariant violations: {sum(kinds.values())} in {len(failing)} schedule(s)" + (f" {dict(kinds)}" if kinds else ""))
     for outcome in failing[:20]:

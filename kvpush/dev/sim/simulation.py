@@ -4,8 +4,10 @@
 Each process runs kvpush's own code — RegistrarCore, BrokerCore,
 ProducerCore, ConsumerCore, DecodeWaits — and stands in only for what
 surrounds it: gRPC (control_plane.py), vLLM's scheduling (prefill and decode
-take time, blocks are allocated and freed: prefill.py, decode.py) and the
-router's retry policy (router.py).
+take time, blocks are allocated and freed: prefill.py, decode.py), the
+router's retry policy (router.py) and, in half the schedules, etcd and a
+broker of several members with the clients' shard maps (shards.py,
+shard_maps.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvpush.dev.sim.decode import DecodeEngine
 from kvpush.dev.sim.nixl import Fabric
 from kvpush.dev.sim.prefill import PrefillEngine
 from kvpush.dev.sim.router import ClientRequest, Router
+from kvpush.dev.sim.shard_maps import Shards
 from kvpush.dev.sim.world import Faults, Network, World
 from kvpush.services.broker.config import BrokerConfig
 from kvpush.services.registrar.config import RegistrarConfig
@@ -44,12 +47,14 @@ class Timing:
     request_timeout: tuple[float, float] = (1.0, 3.0)
     router_slack_s: float = 0.5
     decode_blocks: int = 48
+    shard_lease_s: float = 1.0  # a broker member's etcd lease (the shortest the broker allows)
 
 
 class Simulation:
     """One seeded schedule of requests and faults over the whole protocol."""
 
-    def __init__(self, seed: int, timing: Timing | None = None):
+    def __init__(self, seed: int, timing: Timing | None = None, members: int | None = None):
+        """members: how many broker members (1: the broker in the control plane); None: drawn from the seed."""
         self.world = World(seed)
         # Choices of how the engines work (not faults) draw from their own generator, so
         # adding one leaves every schedule recorded before it (tests/sim/defects.py) as it was.
@@ -67,6 +72,13 @@ class Simulation:
         self.network = Network(self.world, self.faults)
         self.fabric = Fabric()
         self._drifted: set[int] = set()
+        # A quarter of the schedules run a broker of two members, a quarter of three (a generator of their own, so the
+        # one-member schedules recorded before stay as they were); the others one broker in the control plane.
+        shard_rng = random.Random(f"kvpush-sim-shards-{seed}")
+        count = shard_rng.choice((1, 1, 2, 3))
+        count = members if members is not None else count
+        self.shards = Shards(self, count, shard_rng) if count > 1 else None
+        self.shard_faults: dict[str, int] = {}
         self.cp = ControlPlane(self)
         self.prefill = PrefillEngine(self)
         self.decode = DecodeEngine(self)
@@ -87,6 +99,8 @@ class Simulation:
             request.deadline = start + request.timeout_s
             world.at(start, self.router.proc.later, 0.0, self.router.submit, request)
         self._schedule_faults(requests, arrivals)
+        if self.shards is not None:
+            self.shard_faults = self.shards.schedule_faults(arrivals)
         world.run(arrivals + timing.request_timeout[1] + 8.0, max_events)
         self._check_quiet(requests)
         return self.violations
@@ -130,9 +144,13 @@ class Simulation:
         """A network cut between an engine and the control plane (NIXL stays up)."""
         engine.rpc.cut_until = self.world.time + seconds
         self.cp.break_streams(engine.proc, self.world.rng.uniform(0.0, seconds))
+        for member in self.shards.members if self.shards is not None else ():
+            member.break_streams(engine.proc, self.shards.rng.uniform(0.0, seconds))
 
     def _doubt_lease(self, seconds: float) -> None:
-        if self.cp.proc.alive:
+        if self.shards is not None:
+            self.shards.doubt_leases(seconds)
+        elif self.cp.proc.alive:
             self.cp.doubt_lease(seconds)
 
     def _pause(self, seconds: float) -> None:
@@ -152,6 +170,8 @@ class Simulation:
         left = self.prefill.holds() + self.decode.holds()
         if self.cp.proc.alive and self.cp.broker.unsettled_attempts:
             left.append(f"{self.cp.broker.unsettled_attempts} unsettled attempts at the broker")
+        if self.shards is not None and self.shards.unsettled_attempts:
+            left.append(f"{self.shards.unsettled_attempts} unsettled attempts at the broker members")
         if len(self.decode.waits):
             left.append(f"{len(self.decode.waits)} decode waits")
         if left:

@@ -70,6 +70,9 @@ class Process:
         self.generation = 0  # bumped at each kill: events of an earlier life are dropped
         self.paused_until = 0.0
         self.alive = True
+        # Events due while paused, in the order they fell due: they run in that order once the pause ends, however
+        # often it was extended (held one by one to its end, an event held before an extension ran after later ones).
+        self._held: list[tuple[int, Callable, tuple]] = []
 
     # Clock protocol (kvpush.clock.Clock)
     def now(self) -> float:
@@ -86,9 +89,19 @@ class Process:
         if not self.alive or generation != self.generation:
             return
         if self.world.time < self.paused_until:
-            self.world.at(self.paused_until, self._run, generation, fn, args)
+            if not self._held:
+                self.world.at(self.paused_until, self._wake)
+            self._held.append((generation, fn, args))
             return
         fn(*args)
+
+    def _wake(self) -> None:
+        if self.world.time < self.paused_until:  # the pause was extended
+            self.world.at(self.paused_until, self._wake)
+            return
+        held, self._held = self._held, []
+        for generation, fn, args in held:
+            self._run(generation, fn, args)
 
     def kill(self) -> None:
         self.alive = False
