@@ -34,6 +34,7 @@ from kvpush.services.registrar.core import RegistrarCore
 from kvpush.services.registrar.directory import EngineWatch
 
 if TYPE_CHECKING:
+    from kvpush.dev.sim.shard_maps import ClientMap
     from kvpush.dev.sim.simulation import Simulation
     from kvpush.services.broker.mailboxes import Subscription
 
@@ -52,7 +53,7 @@ class Rpc:
         self.client = client
         self.caller = caller
         self.cut_until = 0.0  # a network cut between this client and the control plane
-        self.client_map = None  # a sharded broker's map as this client sees it (shard_maps.ClientMap)
+        self.client_map: ClientMap | None = None  # a sharded broker's map as this client sees it
 
     def call(self, method: str, request, on_done=None, *, tries: int | None = None, member_for=None, on_route=None) -> None:
         """on_done(response, error); error is Unavailable when no answer came in time after every try.
@@ -93,10 +94,12 @@ class Rpc:
             if not sharded:
                 self.sim.cp.receive(self, method, request, finish)
                 return
+            client_map, shards = self.client_map, self.sim.shards
+            assert client_map is not None and shards is not None, "a sharded call needs the client's map"
             name, state["redirect"] = state["redirect"], None
             preferred = member_for() if member_for is not None else None
-            name = name or (preferred if preferred in self.client_map.members else self.client_map.owner(request.key.transfer_id))
-            member = self.sim.shards.member(name) if name else None
+            name = name or (preferred if preferred in client_map.members else client_map.owner(request.key.transfer_id))
+            member = shards.member(name) if name else None
             if member is None:
                 return  # no member in the map: no answer, as from a broker that cannot be reached
             if on_route is not None:
@@ -117,7 +120,8 @@ class Rpc:
     def _redirect(self, state: dict, error) -> bool:
         """Follows a NOT_SHARD_OWNER answer to the owner it names, a few times (ShardedBrokerClient, ReportRouter)."""
         owner = error.metadata.get("owner_member_id", "")
-        if not owner or state["redirects"] >= (1 if self.caller == "router" else MAX_REDIRECTS) or self.sim.shards.member(owner) is None:
+        shards = self.sim.shards
+        if not owner or state["redirects"] >= (1 if self.caller == "router" else MAX_REDIRECTS) or shards is None or shards.member(owner) is None:
             return False
         state["redirects"] += 1
         state["redirect"] = owner

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpush import shards
 from kvpush.client.shard_map import SILENT_HEARTBEATS
@@ -102,6 +102,8 @@ class ClientMap:
     def __init__(self, sim: Simulation, proc: Process, rpc: Rpc):
         self.sim, self.proc, self.rpc = sim, proc, rpc
         shards_ = sim.shards
+        assert shards_ is not None, "a client map needs a sharded broker"
+        self._shards: Shards = shards_
         self.members: set[str] = set(shards_.etcd.members())  # as of the deployment's start
         self.revision = shards_.etcd.revision
         self.listeners: list[Listener] = []
@@ -122,7 +124,8 @@ class ClientMap:
         if self.sim.world.time < self.rpc.cut_until:
             self.proc.later(self.sim.timing.reconnect_s, self._move_on, generation, False)
             return
-        member = self.sim.shards.member(name)
+        member = self._shards.member(name)
+        assert member is not None, f"{name} is no member"
         member.open_stream("shards", None, self.proc, self.rpc.caller, lambda m: self._message(generation, m),
                            lambda: self._move_on(generation, False), lambda _exc: self._move_on(generation, False))
 
@@ -159,7 +162,7 @@ class ClientMap:
             return
         self._generation += 1  # what the old stream still brings is ignored
         leaving = self.followed
-        others = sorted((self.members | {self.sim.shards.names[0]}) - {leaving}) or [leaving]
+        others = sorted((self.members | {self._shards.names[0]}) - {leaving}) or [leaving]
         name = next((m for m in others if m > leaving), others[0])
         if at_once:
             self._follow(name)
@@ -171,7 +174,7 @@ class MemberStreams:
     """A server stream kept open to every member of a client's map, each reopened after it breaks until the member leaves the map."""
 
     def __init__(self, sim: Simulation, client_map: ClientMap, kind: str, request, on_open: Callable[[str], object],
-                 on_message: Callable[[object, object], None], on_lost: Callable[[object], None]):
+                 on_message: Callable[[Any, Any], None], on_lost: Callable[[Any], None]):
         self.sim, self.map, self.kind, self.request = sim, client_map, kind, request
         self.on_open, self.on_message, self.on_lost = on_open, on_message, on_lost
         self._open: dict[str, list] = {}  # member -> [its follower's generation, its stream or None]
@@ -218,5 +221,7 @@ class MemberStreams:
                 self.on_lost(token)
                 self.map.proc.later(self.sim.timing.reconnect_s, self._open_stream, name, entry[0])
 
-        stream = self.sim.shards.member(name).open_stream(self.kind, self.request, self.map.proc, rpc.caller, message, lost, lost)
+        member = self.map._shards.member(name)
+        assert member is not None, f"{name} is no member"
+        stream = member.open_stream(self.kind, self.request, self.map.proc, rpc.caller, message, lost, lost)
         entry[1] = (stream, token)

@@ -18,7 +18,7 @@ its lease up, or be killed; it joins again with a new lease.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpush.dev.sim.world import Process, Stream
 from kvpush.errors import KvpushError
@@ -139,7 +139,7 @@ class BrokerMember:
         self.membership = MapMembership(self.name, self.held)
         self.directory.listeners = []  # the new core listens; the dead one's state is gone
         self.core = BrokerCore(self.directory, self.sim.timing.broker, self.proc, membership=self.membership)
-        self.streams: list[tuple[Stream, object, str]] = []
+        self.streams: list[tuple[Stream, Any, str]] = []
         self._opening: set[Stream] = set()  # streams whose subscription has not reached the core yet
         self._next_tick = float("inf")
 
@@ -324,6 +324,7 @@ class BrokerMember:
             self._opening.discard(stream)
             if not self.reachable():
                 return stream.break_(self.sim.network.delay())
+            subscription: Any  # a Subscription, or the shard watch's Outbox
             try:
                 if kind == "orders":
                     subscription = self.core.subscribe_producer(request, caller)

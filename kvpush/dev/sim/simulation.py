@@ -144,8 +144,10 @@ class Simulation:
         """A network cut between an engine and the control plane (NIXL stays up)."""
         engine.rpc.cut_until = self.world.time + seconds
         self.cp.break_streams(engine.proc, self.world.rng.uniform(0.0, seconds))
-        for member in self.shards.members if self.shards is not None else ():
-            member.break_streams(engine.proc, self.shards.rng.uniform(0.0, seconds))
+        shards = self.shards
+        if shards is not None:
+            for member in shards.members:
+                member.break_streams(engine.proc, shards.rng.uniform(0.0, seconds))
 
     def _doubt_lease(self, seconds: float) -> None:
         if self.shards is not None:
