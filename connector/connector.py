@@ -20,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.metadata import KvpushHandshake, KvpushMetadata
+from kvpush.connector.segment_recorder import empty_observations
+from kvpush.connector.segment_stats import KvpushConnectorStats, KvpushPromMetrics, KvReceivedTimes
 from kvpush.logs import show_kvpush_logs
 from kvpush.telemetry import configure_tracing
 
@@ -135,6 +137,26 @@ class KvpushConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata if isinstance(self._connector_metadata, KvpushMetadata) else None
         sending, recving, failed = self.worker_side.get_transfer_results(meta)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    # ---- metrics (both roles) ---------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KvpushConnectorStats | None:
+        data = (self._scheduler or self.worker_side).spans.segments.drain()
+        return None if data is None else KvpushConnectorStats(data=data)
+
+    def build_connector_worker_meta(self) -> KvReceivedTimes | None:
+        return self.worker_side.received_times()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvpushConnectorStats:
+        return KvpushConnectorStats(data={**empty_observations(), **data}) if data is not None else KvpushConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvpushPromMetrics:
+        # Built in vLLM's API server, which reads the same kv_transfer_config as the engine.
+        config = ConnectorConfig.from_kv_transfer_config(vllm_config.kv_transfer_config)
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues, config.role, config.engine_id)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -87,6 +87,7 @@ class ConsumerCore:
         self._lock = threading.Lock()
         self._finished: set[str] = set()
         self._failed: set[str] = set()
+        self._received_ns: dict[str, int] = {}
         # Recently published req_ids: a fail() racing with a success (the scheduler's deadline) is a no-op.
         self._reported: OrderedDict[str, None] = OrderedDict()
         self._pending: dict[Key, Receive] = {}
@@ -142,6 +143,13 @@ class ConsumerCore:
             finished, failed = self._finished | self._failed, self._failed
             self._finished, self._failed = set(), set()
         return finished, failed
+
+    def take_received_times(self) -> dict[str, int]:
+        """When each receive published since the last call got its last notification (wall ns), for the scheduler's
+        d_wait_tail; published with its result, so never later than it."""
+        with self._lock:
+            received, self._received_ns = self._received_ns, {}
+        return received
 
     # ---- progress -------------------------------------------------------------------------
 
@@ -206,14 +214,18 @@ class ConsumerCore:
             self._by_request.pop(receive.expected.req_id, None)
             now_ns = int(self.clock.wall() * 1e9)
             self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=receive.needed, parts=sum(receive.parts_seen.values()))
-            self._publish(receive.expected.req_id, failed=False)
+            self.spans.segments.kv_wait(receive.expected.alloc_ns, now_ns)
+            self._publish(receive.expected.req_id, failed=False, received_ns=now_ns)
 
-    def _publish(self, req_id: str, *, failed: bool) -> None:
+    def _publish(self, req_id: str, *, failed: bool, received_ns: int = 0) -> None:
         self._reported[req_id] = None
         if len(self._reported) > REPORTED_MEMORY:
             self._reported.popitem(last=False)
+        self.spans.segments.outcome("failed" if failed else "received")
         with self._lock:
             (self._failed if failed else self._finished).add(req_id)
+            if received_ns:
+                self._received_ns[req_id] = received_ns
         self.on_result()
 
 

@@ -196,6 +196,8 @@ class Posting:
         post_ns = self._wall_ns()
         if final:
             self.spans.emit("p.write_post", prep_ns, post_ns, ready, writes=len(job.writes), parts=part)
+            self.spans.segments.segment("handoff", job.source.ready_ns, post_ns)
+            job.final_post_ns = post_ns
         if part == 1:
             job.post_ns = post_ns
             # Emitted after the post, off the hand-off's critical path. A P-side segment belongs

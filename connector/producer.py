@@ -37,6 +37,8 @@ from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2
 
 logger = logging.getLogger(__name__)
+# The outcome label each answer counts under (kvpush_transfers_total).
+WRITE_OUTCOMES = {WRITTEN: "written", FAILED: "failed", REVOKED: "revoked"}
 
 # Answered keys remembered, so a repeated order or revocation gets the same truthful answer.
 OUTCOME_MEMORY = 100_000
@@ -357,6 +359,8 @@ class ProducerCore(Posting, DecodePeers):
         if job.post_ns:
             seconds = max(done_ns - job.post_ns, 1) / 1e9
             self.spans.emit("p.write_transfer", job.post_ns, done_ns, ready, bytes=nbytes, descriptors=descriptors, gbps=nbytes / seconds / 1e9, error=failure)
+        if not failure and job.final_post_ns:
+            self.spans.segments.segment("write_transfer", job.final_post_ns, done_ns)
         self._answer(key, FAILED if failure else WRITTEN, transfer_pb2.END_REASON_UNSPECIFIED, failure, nbytes=nbytes, descriptors=descriptors, job=job, done_ns=done_ns)
         source = self._sources.pop(key, None)
         if source is not None:
@@ -364,6 +368,7 @@ class ProducerCore(Posting, DecodePeers):
 
     def _answer(self, key: Key, outcome: transfer_pb2.WriteOutcome, reason: transfer_pb2.EndReason, message: str, *, nbytes: int = 0, descriptors: int = 0, job: Job | None = None, done_ns: int = 0) -> None:
         self._remember(self._outcomes, key, (outcome, reason, message))
+        self.spans.segments.outcome(WRITE_OUTCOMES.get(outcome, "failed"), nbytes if outcome == WRITTEN else 0)
         request = rv_pb.ReportWriteResultRequest(
             engine_id=self.engine_id, tp_rank=self.local.tp_rank, pp_rank=self.local.pp_rank, outcome=outcome, bytes_written=nbytes, descriptor_count=descriptors,
             error_message=message, reason=reason,

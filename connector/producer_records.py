@@ -65,7 +65,8 @@ class Job:
     source: Source
     order: Order
     writes: list[NixlWrite] = field(default_factory=list)
-    post_ns: int = 0
+    post_ns: int = 0  # the first part's post (wall clock)
+    final_post_ns: int = 0  # the last part's post: where the critical path's WRITE segment starts
     abort_at: float = 0.0
     failed: str = ""
     parts: int = 0  # WRITEs posted per decode rank (layer-progressive push posts several)

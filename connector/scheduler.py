@@ -39,8 +39,12 @@ from kvpush.connector.report_stream import Report
 from kvpush.connector.spans import Spans
 from kvpush.connector.window_blocks import add_destination_blocks, window_blocks_to_hold, windows_given_back
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
+from kvpush.telemetry.segments import PREFILL_ARRIVAL_NS, TIMING_PARAMS
 
 logger = logging.getLogger(__name__)
+
+# The workers' receive instants kept for results not taken yet (more is a result vLLM will never report).
+KV_IN_MEMORY = 10_000
 
 
 def make_scheduler(config: ConnectorConfig, vllm_config: Any, kv_cache_config: Any) -> DecodeScheduler | PrefillScheduler:
@@ -93,7 +97,9 @@ class DecodeScheduler(_Scheduler):
         # What the control loop heard, applied on the engine thread: (kind, args).
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._receiving: dict[str, Any] = {}  # registered, KV not in yet: req_id -> vLLM's request
-        self._received: dict[str, tuple[DecodeWait, Any]] = {}  # KV in, first decode step not scheduled yet: (wait, request)
+        # KV in, first decode step not scheduled yet: (wait, request, when the KV was in: the latest rank's last notification).
+        self._received: dict[str, tuple[DecodeWait, Any, int]] = {}
+        self._kv_in_ns: dict[str, int] = {}  # the workers' word on when a receive's KV was in (wall ns), until its result is taken
         self._first_steps: dict[str, tuple[DecodeWait, Any, int]] = {}  # first decode step running: (wait, request, its start)
         self.reports: ReportRouter | None = None
         self._outgoing: list[Report] = []  # registrations and cancellations of this step, sent at its end
@@ -227,7 +233,9 @@ class DecodeScheduler(_Scheduler):
             received = self._received.pop(req_id, None)
             if received is not None:
                 # Its first decode step starts; it ends once that step's token is in (update_connector_output).
-                self._first_steps[req_id] = (*received, now_ns)
+                wait, request, kv_in_ns = received
+                self.spans.segments.segment("d_wait_tail", kv_in_ns, now_ns)
+                self._first_steps[req_id] = (wait, request, now_ns)
         return meta
 
     def _drain_inbox(self) -> None:
@@ -253,15 +261,24 @@ class DecodeScheduler(_Scheduler):
         now_ns = time.time_ns()
         for req_id in [req_id for req_id, (_, request, _) in self._first_steps.items() if request.num_output_tokens]:
             stepped, _, started_ns = self._first_steps.pop(req_id)
-            self.spans.emit("d.first_decode_step", started_ns, now_ns, stepped.params)
+            self._first_step_ended(stepped, started_ns, now_ns)
+        self._kv_in_ns.update(getattr(getattr(output, "kv_connector_worker_meta", None), "received_ns", None) or {})
+        while len(self._kv_in_ns) > KV_IN_MEMORY:  # instants of receives whose request vLLM dropped first
+            del self._kv_in_ns[next(iter(self._kv_in_ns))]
         failed = output.failed_recving or ()
         for req_id in output.finished_recving or ():
             request = self._receiving.pop(req_id, None)
+            kv_in_ns = self._kv_in_ns.pop(req_id, now_ns)  # the workers' instant; this one if they gave none
             if req_id in failed:
                 continue  # DecodeWaits released it
             received = self.waits.received(req_id)
             if received is not None and request is not None:
-                self._received[req_id] = (received, request)
+                self._received[req_id] = (received, request, kv_in_ns)
+
+    def _first_step_ended(self, stepped: DecodeWait, started_ns: int, end_ns: int) -> None:
+        self.spans.emit("d.first_decode_step", started_ns, end_ns, stepped.params)
+        self.spans.segments.segment("d_first_decode_step", started_ns, end_ns)
+        self.spans.segments.first_step_done(end_ns)  # d_output: its token's trip to the API server
 
     def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         # vLLM keeps the blocks of a request still waiting for remote KV until its receive is reported
@@ -271,10 +288,11 @@ class DecodeScheduler(_Scheduler):
         self._local_hits.pop(req_id, None)
         self._receiving.pop(req_id, None)
         self._received.pop(req_id, None)
+        self._kv_in_ns.pop(req_id, None)
         first_step = self._first_steps.pop(req_id, None)
         if first_step is not None and request.num_output_tokens:
             # Its first step's token ended it: vLLM frees a finished request before update_connector_output.
-            self.spans.emit("d.first_decode_step", first_step[2], time.time_ns(), first_step[0].params)
+            self._first_step_ended(first_step[0], first_step[2], time.time_ns())
         self.waits.aborted(req_id)
         return False, None
 
@@ -407,7 +425,8 @@ class PrefillScheduler(_Scheduler):
                 self._cancels.append(track.params.key)
                 return False, None
         track.blocks_held = True
-        return True, None
+        # The answer tells the router when this leg arrived, so that it can measure its dispatch (router_to_p).
+        return True, {TIMING_PARAMS: {PREFILL_ARRIVAL_NS: int(request.arrival_time * 1e9)}}
 
     def _forget(self, req_id: str) -> None:
         track = self._tracks.pop(req_id, None)

@@ -26,6 +26,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
+from kvpush.connector.segment_recorder import SegmentRecorder
 from kvpush.processes import name_os_thread
 from kvpush.telemetry import extract_context, span_attributes, trace_id_ratio_sampled
 
@@ -54,6 +55,8 @@ class Spans:
         """provider: the tracer provider (the global one by default)."""
         self.engine_id = engine_id
         self.role = role
+        # The Prometheus side of the same segments: every request, whatever the sampling (segment_stats).
+        self.segments = SegmentRecorder()
         provider = provider or trace.get_tracer_provider()
         self._provider = provider
         # Without a configured SDK every span is a no-op: skip the work of recording one.

@@ -31,6 +31,7 @@ from kvpush.connector.producer import ProducerCore
 from kvpush.connector.producer_thread import Producer
 from kvpush.connector.report_routing import ReportRouter
 from kvpush.connector.report_stream import Report
+from kvpush.connector.segment_stats import KvReceivedTimes
 from kvpush.connector.spans import Spans
 from kvpush.connector.write_plans import LocalLayout
 from kvpush.engine.v1 import engine_pb2
@@ -290,6 +291,8 @@ class KvpushWorker:
             if self.tp_rank == 0 and self.pp_rank == self.pp_size - 1:  # the last stage ends the prefill
                 self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
                 self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)
+                self.spans.segments.segment("p_queue", source.arrival_ns, source.scheduled_ns)
+                self.spans.segments.segment("p_prefill", source.scheduled_ns, now_ns)
         # The WRITE is on the critical path, this step's sampling is not: let the transfer thread (woken
         # by the hand-over) take the GIL now rather than when this thread next blocks or is forced to switch.
         os.sched_yield()
@@ -343,6 +346,11 @@ class KvpushWorker:
                 finished, failed = self.consumer.wait(wait_s)
             return set(), finished, failed
         return set(), set(), set()
+
+    def received_times(self) -> KvReceivedTimes | None:
+        """D: when this rank's receives published since the last step got their KV, for the scheduler's d_wait_tail."""
+        received = self.consumer.core.take_received_times() if self.consumer is not None else None
+        return KvReceivedTimes(received) if received else None
 
     def shutdown(self) -> None:
         for part in (self.producer, self.consumer):

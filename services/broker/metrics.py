@@ -42,6 +42,9 @@ class BrokerMetrics:
         self.shard_members = Gauge("kvpush_broker_shard_members", "Members in the shard map this broker member sees (1 unsharded)", registry=r)
         self.shard_serving = Gauge("kvpush_broker_shard_serving", "1 while this broker member serves its shard, else 0", registry=r)
         self._failures_by_reason: dict[int, Counter] = {}
+        # Every reason shows from the start (0): a failures panel has data before the first failure.
+        for reason in transfer_pb2.EndReason.values():
+            self.failure(reason)
 
     def failure(self, end_reason: int) -> Counter:
         """The failures counter child for an EndReason (children cached: labels() is slow)."""

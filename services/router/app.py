@@ -173,7 +173,7 @@ class Router:
 
     async def serve(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions and /v1/chat/completions."""
-        started = time.monotonic()
+        started, started_ns = time.monotonic(), time.time_ns()
         carrier = {key: request.headers[key] for key in TRACE_HEADERS if key in request.headers}
         client_request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         span = self.tracer.start_span(
@@ -203,6 +203,7 @@ class Router:
                         transfer_id="xfer-" + uuid.uuid4().hex,
                         span=span,
                         started=started,
+                        started_ns=started_ns,
                         authorization=request.headers.get("Authorization", ""),
                         incoming_trace=carrier,
                         client=request,

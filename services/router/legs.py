@@ -48,11 +48,13 @@ class RequestContext:
     transfer_id: str
     span: Span
     started: float  # time.monotonic() when the request arrived
+    started_ns: int  # the same instant, wall clock: P's answer says when its leg arrived, by P's wall clock
     authorization: str
     incoming_trace: dict[str, str]  # the client's trace headers
     client: web.BaseRequest | None = None  # the client's request, to notice its disconnecting
     failure_reason: str = ""  # why the request failed (core.FAILURE_REASONS), "" if it did not
     prefill_answered: float = 0.0  # time.monotonic() when the current attempt's prefill leg answered (0: not yet)
+    first_output_read: float = 0.0  # time.monotonic() when the router read D's first output (0: not yet)
     broker_owner: Owner = Owner()  # push mode: the broker member that holds the current attempt
     transfer_deadline: float = 0.0  # push mode: time.monotonic() when the transfer deadline passes (set by the first attempt)
     cancelling: asyncio.Task | None = None  # push mode: the last failed attempt's CancelTransfer, run beside the request
@@ -120,6 +122,7 @@ async def prefill_leg(router: Router, ctx: RequestContext, endpoint: Endpoint, b
         error = None
         ctx.prefill_answered = time.monotonic()
         router.metrics.prefill_leg.observe(ctx.prefill_answered - sent)
+        router.metrics.dispatched(ctx.started_ns, answer)
         return answer
     except LegFailure as exc:
         error = str(exc)
@@ -176,6 +179,7 @@ class DecodeLeg:
                     if isinstance(data, dict) and data.get("choices"):
                         # Splits TTFT's "D output → client" into D's part and the router's (kvpush.report.breakdown).
                         self.span.add_event(FIRST_OUTPUT_EVENT)
+                        self.ctx.first_output_read = time.monotonic()
                         return
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise failure_from_exception(DECODE, self.endpoint, exc, config.request_timeout_s) from exc

@@ -5,14 +5,15 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpush.services.router.core import FAILURE_REASONS, LEG_FAILED, EnginePool
+from kvpush.telemetry.segments import PREFILL_ARRIVAL_NS, SEGMENT_BUCKETS, SEGMENT_HELP, SEGMENT_METRIC, TIMING_PARAMS
 
-# TTFT spans a few milliseconds (tiny prompts, idle engines) to the queueing
-# of an overloaded pair (tens of seconds).
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# TTFT has the segments' buckets: a TTFT p50 and the segments' p50s are read off the same bounds.
+_TTFT_BUCKETS = SEGMENT_BUCKETS
 
 
 class RouterMetrics:
@@ -48,10 +49,23 @@ class RouterMetrics:
             "P's answer to the first output sent (the hand-off, D's wait for its KV and its first decode step), when P answered first",
             buckets=_TTFT_BUCKETS, registry=r,
         )
+        # The router's two segments of TTFT's critical path; P and D export the others on their own /metrics.
+        segments = Histogram(SEGMENT_METRIC, SEGMENT_HELP, ["role", "segment"], buckets=SEGMENT_BUCKETS, registry=r)
+        self.segment_dispatch = segments.labels("router", "router_to_p")
+        self.segment_relay = segments.labels("router", "router_overhead")
         in_flight = Gauge("kvpush_router_legs_in_flight", "Legs being served, by engine", ["role", "engine_id", "url"], registry=r)
         for pool in pools:
             for endpoint in pool.endpoints:
                 in_flight.labels(pool.role, endpoint.engine_id, endpoint.url).set_function(functools.partial(pool.in_flight, endpoint))
+
+    def dispatched(self, started_ns: int, prefill_answer: dict[str, Any]) -> None:
+        """Observes router_to_p: the request's arrival here to its prefill leg's arrival at P, which P's answer tells
+        (by P's wall clock: never negative across skewed hosts). Answers from engines that do not tell count nothing."""
+        params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+        timing = params.get(TIMING_PARAMS) if isinstance(params, dict) else None
+        arrival_ns = timing.get(PREFILL_ARRIVAL_NS) if isinstance(timing, dict) else None
+        if isinstance(arrival_ns, int):
+            self.segment_dispatch.observe(max(arrival_ns - started_ns, 0) / 1e9)
 
     def failed(self, reason: str) -> None:
         """Counts one failed request; a reason outside FAILURE_REASONS (a newer broker's EndReason) counts as LEG_FAILED."""

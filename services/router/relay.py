@@ -35,6 +35,8 @@ def _record_first_output(router: Router, ctx: RequestContext) -> None:
     ctx.span.add_event(FIRST_TOKEN_EVENT)
     ctx.span.set_attribute("kvpush.ttft_ms", ttft_s * 1000)
     router.metrics.ttft.observe(ttft_s)
+    if ctx.first_output_read:
+        router.metrics.segment_relay.observe(time.monotonic() - ctx.first_output_read)
     if ctx.prefill_answered:
         router.metrics.after_prefill_leg.observe(time.monotonic() - ctx.prefill_answered)
 

@@ -14,16 +14,12 @@ from kvpush.connector.nixl_agent import NixlWrite
 from kvpush.connector.producer import ProducerCore
 from kvpush.connector.producer_thread import Producer
 from kvpush.connector.write_plans import LocalLayout, WritePlan
+from kvpush.dev.sim.deployment import NoSpans
 from kvpush.engine.v1 import engine_pb2
 from kvpush.layout.plan import Plan
 from kvpush.registrar.v1 import registrar_service_pb2 as reg_pb
 from kvpush.rendezvous.v1 import rendezvous_service_pb2 as rv_pb
 from kvpush.rendezvous.v1 import transfer_pb2 as tr_pb
-
-
-class NoSpans:
-    def emit(self, *args, **kwargs) -> None:
-        pass
 
 
 class RecordingTransport:

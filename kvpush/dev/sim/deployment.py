@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from kvpush.connector.handoff import packed_prompt
+from kvpush.connector.segment_recorder import SegmentRecorder
 
 P_ENGINE, D_ENGINE = "prefill-0", "decode-0"
 BLOCK_SIZE = 16
@@ -41,7 +42,12 @@ def prompt_id_of(packed: bytes) -> int:
 
 
 class NoSpans:
+    """Spans that record no span; the segments for metrics are recorded, as in an engine."""
+
     enabled = False
+
+    def __init__(self) -> None:
+        self.segments = SegmentRecorder()
 
     def emit(self, *args, **kwargs) -> None:
         pass
