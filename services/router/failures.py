@@ -32,6 +32,11 @@ def error_response(status: int, message: str, **details: Any) -> web.Response:
     return web.json_response(error_body(status, message, **details), status=status)
 
 
+# Every cause a failed leg is counted under (kvpush_router_leg_failures_total{cause}): a bounded set, so that its
+# series can exist from the start. after_output: the leg failed after output reached the client.
+LEG_CAUSES = ("connect", "connection", "timeout", "rejected", "engine_error", "protocol", "transfer", "after_output")
+
+
 class LegFailure(Exception):
     """A leg that did not deliver: which leg, which engine, the cause, and what the client gets.
 
@@ -49,6 +54,7 @@ class LegFailure(Exception):
         self, leg: str, endpoint: Endpoint, cause: str, message: str, *, status: int = 502, retryable: bool = True, engine_body: bytes | None = None
     ):
         super().__init__(f"{leg} leg to {endpoint}: {message}")
+        assert cause in LEG_CAUSES, f"a leg failure's cause must be one of LEG_CAUSES, not {cause!r}"
         self.leg = leg
         self.endpoint = endpoint
         self.cause = cause

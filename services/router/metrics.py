@@ -10,6 +10,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvpush.services.router.core import FAILURE_REASONS, LEG_FAILED, EnginePool
+from kvpush.services.router.failures import LEG_CAUSES
+from kvpush.services.router.legs import DECODE, PREFILL
 from kvpush.telemetry.segments import PREFILL_ARRIVAL_NS, SEGMENT_BUCKETS, SEGMENT_HELP, SEGMENT_METRIC, TIMING_PARAMS
 
 # TTFT has the segments' buckets: a TTFT p50 and the segments' p50s are read off the same bounds.
@@ -24,6 +26,9 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter("kvpush_router_requests", "Client requests answered, by API path and HTTP status", ["path", "status"], registry=r)
         self.leg_failures = Counter("kvpush_router_leg_failures", "Failed prefill or decode legs, by leg and cause", ["leg", "cause"], registry=r)
+        for leg in (PREFILL, DECODE):
+            for cause in LEG_CAUSES:
+                self.leg_failures.labels(leg, cause)  # every series shows from the start (0)
         self.retries = Counter("kvpush_router_retries", "Dispatches retried with a new attempt after a leg failed", registry=r)
         self.retries_skipped = Counter(
             "kvpush_router_retries_skipped", "Retries not made because too little was left of the request's deadline", registry=r
