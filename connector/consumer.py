@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from kvpush.clock import Clock
 from kvpush.connector.handoff import DestinationReady, Key
 from kvpush.connector.nixl_agent import HELLO
-from kvpush.connector.notification import Notification, parse_due, parse_notification
+from kvpush.connector.notification import Notification, parse_due, parse_notification, parse_posted
 from kvpush.connector.transfer_thread import TransferThread
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 EARLY_NOTIFICATION_TTL_S = 60.0
 
 REPORTED_MEMORY = 10_000
+# Complete receives kept for a posted notification that comes after their WRITE's own (the WRITE segment's start).
+AWAITING_POSTED_MEMORY = 1_000
 
 
 @dataclass
@@ -95,6 +97,8 @@ class ConsumerCore:
         self._unclaimed: dict[Key, UnclaimedNotifications] = {}
         self._due: set[Key] = set()  # pending receives a WRITE is due for
         self._early_due: dict[Key, float] = {}  # due notifications ahead of the scheduler's metadata: when seen
+        self._posted: dict[Key, tuple[int, float]] = {}  # posted notifications of receives not complete: (latest post ns, when seen)
+        self._awaiting_posted: OrderedDict[Key, int] = OrderedDict()  # complete receives whose posted notification is still to come
         self._fresh_until = float("-inf")  # the newest receive's fresh_poll window ends
         self.on_result = lambda: None
 
@@ -164,16 +168,22 @@ class ConsumerCore:
             for message in messages:
                 self._on_notification(sender, message)
         now = self.clock.now()
-        if self._unclaimed or self._early_due:
+        if self._unclaimed or self._early_due or self._posted:
             cutoff = now - EARLY_NOTIFICATION_TTL_S
             for key in [k for k, u in self._unclaimed.items() if u.first_seen < cutoff]:
                 del self._unclaimed[key]
             for key in [k for k, seen in self._early_due.items() if seen < cutoff]:
                 del self._early_due[key]
+            for key in [k for k, (_, seen) in self._posted.items() if seen < cutoff]:
+                del self._posted[key]
         return now + self.waiting_poll_s if self._pending and self.waiting_poll_s is not None else None
 
     def _on_notification(self, sender: str, message: bytes) -> None:
         if message == HELLO:
+            return
+        posted = parse_posted(message)
+        if posted is not None:
+            self._on_posted(*posted)
             return
         due = parse_due(message)
         if due is not None:
@@ -193,6 +203,15 @@ class ConsumerCore:
             return
         self._count(receive, note)
         self._check(note.key, receive)
+
+    def _on_posted(self, key: Key, post_ns: int) -> None:
+        """A producer rank posted its WRITE to this attempt at post_ns: the WRITE segment runs from the latest rank's post
+        to the last notification, whichever comes first here."""
+        received_ns = self._awaiting_posted.pop(key, None)
+        if received_ns is not None:
+            self.spans.segments.segment("write_transfer", post_ns, received_ns)
+        else:
+            self._posted[key] = (max(post_ns, self._posted.get(key, (0, 0.0))[0]), self.clock.now())
 
     def _count(self, receive: Receive, note: Notification) -> None:
         expected = receive.expected
@@ -215,6 +234,13 @@ class ConsumerCore:
             now_ns = int(self.clock.wall() * 1e9)
             self.spans.emit("d.wait_for_kv", receive.expected.alloc_ns, now_ns, receive.expected, producers=receive.needed, parts=sum(receive.parts_seen.values()))
             self.spans.segments.kv_wait(receive.expected.alloc_ns, now_ns)
+            posted = self._posted.pop(key, None)
+            if posted is not None:
+                self.spans.segments.segment("write_transfer", posted[0], now_ns)
+            else:  # the WRITE's notification overtook its posted notification
+                self._awaiting_posted[key] = now_ns
+                if len(self._awaiting_posted) > AWAITING_POSTED_MEMORY:
+                    self._awaiting_posted.popitem(last=False)
             self._publish(receive.expected.req_id, failed=False, received_ns=now_ns)
 
     def _publish(self, req_id: str, *, failed: bool, received_ns: int = 0) -> None:

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The notifications a prefill rank sends a decode rank: a WRITE's completion (which tokens landed), and that a WRITE is due.
+"""The notifications a prefill rank sends a decode rank: a WRITE's completion (which tokens landed), that a WRITE is due,
+and when it was posted.
 
 Both sides read these formats: the producer builds them (notification,
-due_notification), the consumer parses them (parse_notification,
-parse_due). Transfer ids never contain '|'. A decode rank from before the
+due_notification, posted_notification), the consumer parses them
+(parse_notification, parse_due, parse_posted). Transfer ids never contain '|'. A decode rank from before the
 due notification logs and ignores it (it is a hint: nothing waits for it).
 """
 
@@ -15,6 +16,7 @@ from kvpush.connector.handoff import Key
 
 NOTIF_PREFIX = "kvpush1"
 DUE_TAG = "due"
+POSTED_TAG = "posted"
 
 
 def notification(transfer_id: str, attempt: int, producer_rank: int, expected: int, first_token: int, num_tokens: int,
@@ -63,5 +65,22 @@ def parse_due(message: bytes) -> Key | None:
         return None
     try:
         return fields[2], int(fields[3])
+    except ValueError:
+        return None
+
+
+def posted_notification(transfer_id: str, attempt: int, producer_rank: int, post_ns: int) -> bytes:
+    """This rank's WRITE to the attempt's blocks went out at post_ns (wall clock): D measures the WRITE segment of TTFT
+    from it (sent standalone, after the post; a decode rank from before it logs and ignores it)."""
+    return f"{NOTIF_PREFIX}|{POSTED_TAG}|{transfer_id}|{attempt}|{producer_rank}|{post_ns}".encode()
+
+
+def parse_posted(message: bytes) -> tuple[Key, int] | None:
+    """(the attempt, its post instant in wall ns) of a posted notification, or None if the message is not one."""
+    fields = message.decode(errors="replace").split("|")
+    if len(fields) != 6 or fields[0] != NOTIF_PREFIX or fields[1] != POSTED_TAG:
+        return None
+    try:
+        return (fields[2], int(fields[3])), int(fields[5])
     except ValueError:
         return None

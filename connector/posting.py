@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpush.clock import Clock
 from kvpush.connector.handoff import SourceReady, prompt_digest
-from kvpush.connector.notification import notification
+from kvpush.connector.notification import notification, posted_notification
 from kvpush.connector.producer_records import FAILED, REVOKED, Computing, Job, Key, MadeWrites, Order, Source
 from kvpush.connector.write_plans import Peer, WritePlan, build_write_plans, device_of
 from kvpush.rendezvous.v1 import transfer_pb2
@@ -197,13 +197,26 @@ class Posting:
         if final:
             self.spans.emit("p.write_post", prep_ns, post_ns, ready, writes=len(job.writes), parts=part)
             self.spans.segments.segment("handoff", job.source.ready_ns, post_ns)
-            job.final_post_ns = post_ns
+            self._tell_posted(key, peer, {p.d_rank for p in plans}, post_ns)
         if part == 1:
             job.post_ns = post_ns
             # Emitted after the post, off the hand-off's critical path. A P-side segment belongs
             # under P's request; the broker's context (D's registration for an early order) is a link.
             self.spans.emit("p.order_delivery", order.sent_ns, order.received_ns, ready,
                             links=(order.order.trace_context.get("traceparent", ""),), early=not order.order.HasField("source"))
+
+    def _tell_posted(self, key: Key, peer: Peer, d_ranks: set[int], post_ns: int) -> None:
+        """Tells the decode ranks when the WRITE's last part went out: the WRITE segment of TTFT runs from here to their
+        last notification, which only they see."""
+        message = posted_notification(key[0], key[1], self.local.producer, post_ns)
+        for d_rank in d_ranks:
+            rank = peer.ranks.get(d_rank)
+            if rank is None:
+                continue
+            try:
+                self.transport.send_notif(rank.agent, message)
+            except Exception as exc:  # telemetry: the WRITE does not depend on it
+                logger.debug("kvpush producer: posted notification of %s to %s not sent: %s", key, rank.agent, exc)
 
     def _stop_parts(self, job: Job, why: str) -> None:
         """No more parts for this job: it ends FAILED once the parts in flight are done (they may have landed)."""

@@ -112,7 +112,7 @@ class ProducerCore(Posting, DecodePeers):
     def handle(self, item: tuple) -> None:
         kind = item[0]
         if kind == "source":
-            self.source_ready(item[1], item[2])
+            self.source_ready(*item[1:])
         elif kind == "computing":
             self.computing(*item[1:])
         elif kind == "layer":
@@ -134,9 +134,10 @@ class ProducerCore(Posting, DecodePeers):
     def holds_sources(self) -> bool:
         return bool(self._sources)
 
-    def source_ready(self, ready: SourceReady, ready_event=None) -> None:
+    def source_ready(self, ready: SourceReady, ready_event=None, computed_ns: int = 0) -> None:
         key = (ready.transfer_id, ready.attempt)
-        source = Source(ready, self.clock.now() + ready.hold_s, self._wall_ns(), ready_event)
+        # The hand-off starts where the prefill ended, not when this thread got to it.
+        source = Source(ready, self.clock.now() + ready.hold_s, computed_ns or self._wall_ns(), ready_event)
         held = self._sources.get(key)
         if held is not None and held.ready.req_id != ready.req_id:
             logger.error("kvpush producer: request %s reuses transfer key %s of request %s; not transferring it", ready.req_id, key, held.ready.req_id)
@@ -359,8 +360,6 @@ class ProducerCore(Posting, DecodePeers):
         if job.post_ns:
             seconds = max(done_ns - job.post_ns, 1) / 1e9
             self.spans.emit("p.write_transfer", job.post_ns, done_ns, ready, bytes=nbytes, descriptors=descriptors, gbps=nbytes / seconds / 1e9, error=failure)
-        if not failure and job.final_post_ns:
-            self.spans.segments.segment("write_transfer", job.final_post_ns, done_ns)
         self._answer(key, FAILED if failure else WRITTEN, transfer_pb2.END_REASON_UNSPECIFIED, failure, nbytes=nbytes, descriptors=descriptors, job=job, done_ns=done_ns)
         source = self._sources.pop(key, None)
         if source is not None:

@@ -23,7 +23,7 @@ class DeviceEvent(Protocol):
 class Source:
     ready: SourceReady
     hold_until: float
-    ready_ns: int
+    ready_ns: int  # when its forward ended (wall clock): the hand-off segment starts here
     ready_event: DeviceEvent | None = None  # CUDA event to wait on before reading the blocks
 
 
@@ -66,7 +66,6 @@ class Job:
     order: Order
     writes: list[NixlWrite] = field(default_factory=list)
     post_ns: int = 0  # the first part's post (wall clock)
-    final_post_ns: int = 0  # the last part's post: where the critical path's WRITE segment starts
     abort_at: float = 0.0
     failed: str = ""
     parts: int = 0  # WRITEs posted per decode rank (layer-progressive push posts several)

@@ -25,9 +25,10 @@ class Producer:
         self._streams = 0
         self._member_streams: dict[str, int] = {}  # broker member -> its current stream (control loop only)
 
-    def source_ready(self, ready: SourceReady, ready_event=None) -> None:
-        """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU)."""
-        self._thread.put(("source", ready, ready_event))
+    def source_ready(self, ready: SourceReady, ready_event=None, computed_ns: int = 0) -> None:
+        """ready_event: a CUDA event recorded after the forward that computed the KV (None on CPU); computed_ns: when
+        the engine thread saw that forward end (wall clock; 0: when this thread takes the source)."""
+        self._thread.put(("source", ready, ready_event, computed_ns))
 
     def computing(self, ready: SourceReady, whole: bool = False, announce_at: float | None = None) -> None:
         """This source's forward starts now: layer-progressive push follows its layers; whole: its WRITE is made ahead, posted at the end.

@@ -287,7 +287,7 @@ class KvpushWorker:
             ready_event.record()
         now_ns = time.time_ns()
         for source in meta.sources:
-            self.producer.source_ready(source, ready_event)
+            self.producer.source_ready(source, ready_event, now_ns)
             if self.tp_rank == 0 and self.pp_rank == self.pp_size - 1:  # the last stage ends the prefill
                 self.spans.emit("p.queue", source.arrival_ns, source.scheduled_ns, source)
                 self.spans.emit("p.prefill", source.scheduled_ns, now_ns, source, tokens=source.num_tokens)

@@ -5,12 +5,12 @@
 The segments are those of `kvpush ttft-report` (`kvpush.report.breakdown.SEGMENTS`),
 in chain order, so their p50s stacked come to TTFT's p50 without a trace
 pipeline. Each is observed by the process that sees its end; where the
-start is another process's instant it travels with the request (P tells
-the router when its prefill leg arrived), and on one host wall clocks
-agree. Two segments end at nearby instants rather than the trace's: P's
-WRITE ends when P sees its completion (the trace: D's last notification),
-and D's output ends when D's API server has the token (the trace: the
-router read it; the rest, D's HTTP answer, is left out).
+start is another process's instant it travels with the request (P's
+answer tells the router when its prefill leg arrived, a notification
+after the WRITE tells D when it was posted), and on one host wall clocks
+agree. One segment ends near, not at, the trace's instant: D's output ends
+when D's API server has the token (the trace: when the router read it; D's
+HTTP answer in between is in no segment).
 """
 
 from __future__ import annotations
@@ -26,14 +26,20 @@ PREFILL_ARRIVAL_NS = "prefill_arrival_ns"
 
 # Which process observes which segment.
 ROUTER_SEGMENTS = ("router_to_p", "router_overhead")
-PREFILL_SEGMENTS = ("p_queue", "p_prefill", "handoff", "write_transfer")
-DECODE_SEGMENTS = ("d_wait_tail", "d_first_decode_step", "d_output")
+PREFILL_SEGMENTS = ("p_queue", "p_prefill", "handoff")
+DECODE_SEGMENTS = ("write_transfer", "d_wait_tail", "d_first_decode_step", "d_output")
 
-# Fine enough that a p50 read off a bucket (Prometheus interpolates within it) is within a few percent: the
-# segments run from a fraction of a millisecond (a hand-off) to the queueing of an overloaded engine.
-SEGMENT_BUCKETS = (
-    0.00025, 0.0005, 0.00075, 0.001, 0.00125, 0.0015, 0.00175, 0.002, 0.0025, 0.003, 0.0035, 0.004, 0.0045, 0.005,
-    0.006, 0.007, 0.008, 0.009, 0.010, 0.011, 0.0125, 0.014, 0.016, 0.018, 0.020, 0.0225, 0.025, 0.0275, 0.030,
-    0.035, 0.040, 0.045, 0.050, 0.060, 0.070, 0.080, 0.090, 0.100, 0.125, 0.150, 0.175, 0.200, 0.250, 0.300,
-    0.400, 0.500, 0.750, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0,
-)
+
+
+def _geometric(start: float, stop: float, factor: float) -> list[float]:
+    bounds, bound = [], start
+    while bound < stop * (1 - 1e-9):
+        bounds.append(float(f"{bound:.3g}"))
+        bound *= factor
+    return bounds
+
+
+# Bounds 8 % apart from 1 to 200 ms, where TTFT and most segments of an unloaded pair fall: Prometheus reads a
+# quantile by interpolating inside a bucket, so a p50 is off by at most half a bucket's width (4 %) there.
+# Coarser below (sub-millisecond hand-offs) and above (queueing of an overloaded engine, up to a minute).
+SEGMENT_BUCKETS = tuple(_geometric(0.0001, 0.001, 1.25) + _geometric(0.001, 0.2, 1.08) + _geometric(0.2, 60.0, 1.3) + [60.0])

@@ -165,6 +165,7 @@ class DecodeLeg:
                 return
             while True:
                 line = await self.response.content.readline()
+                read = time.monotonic()
                 if not line:
                     raise LegFailure(DECODE, self.endpoint, "protocol", "the stream ended before any output")
                 self.buffered.append(line)
@@ -179,7 +180,7 @@ class DecodeLeg:
                     if isinstance(data, dict) and data.get("choices"):
                         # Splits TTFT's "D output → client" into D's part and the router's (kvpush.report.breakdown).
                         self.span.add_event(FIRST_OUTPUT_EVENT)
-                        self.ctx.first_output_read = time.monotonic()
+                        self.ctx.first_output_read = read  # decoding it is the router's relay
                         return
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise failure_from_exception(DECODE, self.endpoint, exc, config.request_timeout_s) from exc

@@ -3,12 +3,22 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from nixl_pair import Pair
 
 from kvpush.connector.consumer import EARLY_NOTIFICATION_TTL_S
 from kvpush.connector.nixl_agent import HELLO
-from kvpush.connector.notification import Notification, due_notification, notification, parse_due, parse_notification
+from kvpush.connector.notification import (
+    Notification,
+    due_notification,
+    notification,
+    parse_due,
+    parse_notification,
+    parse_posted,
+    posted_notification,
+)
 
 WAITING_POLL_S, FRESH_POLL_S = 0.005, 0.02
 
@@ -161,3 +171,50 @@ def test_due_notification_format_round_trips():
     assert parse_due(notification("xfer-1", 3, 1, 2, 64, 86)) is None
     assert parse_due(b"kvpush1|due|xfer-1|x") is None
     assert parse_due(HELLO) is None
+
+
+def test_posted_notification_format_round_trips():
+    message = posted_notification("xfer-1", 3, 1, 1_700_000_000_123_456_789)
+    assert message == b"kvpush1|posted|xfer-1|3|1|1700000000123456789"
+    assert parse_posted(message) == (("xfer-1", 3), 1_700_000_000_123_456_789)
+    # Never taken for a completion or a due notification (a decode rank from before it logs and ignores it).
+    assert parse_notification(message) is None and parse_due(message) is None
+    assert parse_posted(due_notification("xfer-1", 3)) is None
+    assert parse_posted(notification("xfer-1", 3, 1, 2, 64, 86)) is None
+    assert parse_posted(b"kvpush1|posted|xfer-1|3|1|soon") is None
+    assert parse_posted(HELLO) is None
+
+
+def write_segments(pair: Pair) -> list[float]:
+    data = pair.consumer.spans.segments.drain() or {"segments": {}}
+    return data["segments"].get("write_transfer", [])
+
+
+def test_d_measures_the_write_from_its_post_to_the_last_notification(pair: Pair):
+    pair.expect("t1")
+    posted_before = time.time_ns()
+    pair.send("order", "t1")
+    pair.source("t1")
+    assert pair.pump(pair.results) == ({"d-req"}, set())
+    (seconds,) = write_segments(pair)
+    assert 0 <= seconds <= (time.time_ns() - posted_before) / 1e9  # from the post (P's wall clock, this host) to D's notification
+
+
+def test_a_posted_notification_after_the_writes_own_still_gives_the_segment(pair: Pair):
+    pair.expect("t1")
+    pair.consumer._on_notification("p", notification("t1", 1, 0, 1, 0, 110))  # the WRITE's own notification came first
+    assert pair.received() == ({"d-req"}, set())
+    assert write_segments(pair) == []
+    received_ns = pair.consumer._awaiting_posted[("t1", 1)]
+    pair.consumer._on_notification("p", posted_notification("t1", 1, 0, received_ns - 2_000_000))
+    assert write_segments(pair) == [pytest.approx(0.002)]
+    pair.consumer._on_notification("p", posted_notification("t1", 1, 0, received_ns - 1_000_000))  # a repeat counts nothing
+    assert write_segments(pair) == []
+
+
+def test_posted_notifications_of_receives_that_never_complete_are_forgotten_after_their_ttl(pair: Pair):
+    pair.consumer._on_notification("p", posted_notification("gone", 1, 0, time.time_ns()))
+    assert ("gone", 1) in pair.consumer._posted
+    pair.clock.advance(EARLY_NOTIFICATION_TTL_S + 1)
+    pair.step()
+    assert ("gone", 1) not in pair.consumer._posted

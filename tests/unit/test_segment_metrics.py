@@ -12,11 +12,12 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.utils import floatToGoString
 
 from kvpush.connector.segment_recorder import SegmentRecorder
 from kvpush.services.router.core import Endpoint, EnginePool
 from kvpush.services.router.metrics import RouterMetrics
-from kvpush.telemetry.segments import DECODE_SEGMENTS, PREFILL_ARRIVAL_NS, PREFILL_SEGMENTS, SEGMENT_METRIC, TIMING_PARAMS
+from kvpush.telemetry.segments import DECODE_SEGMENTS, PREFILL_ARRIVAL_NS, PREFILL_SEGMENTS, SEGMENT_BUCKETS, SEGMENT_METRIC, TIMING_PARAMS
 
 segment_stats = pytest.importorskip("kvpush.connector.segment_stats")  # vLLM's stats classes
 
@@ -107,19 +108,22 @@ def test_prefill_observations_reach_the_histograms_and_counters():
     recorder.segment("p_queue", 0, 1_000_000)
     recorder.segment("p_prefill", 0, 20_000_000)
     recorder.segment("handoff", 0, 2_000_000)
-    recorder.segment("write_transfer", 0, 500_000)
+    recorder.segment("write_transfer", 0, 500_000)  # D's segment: not a label value of P's
     recorder.segment("not_a_segment", 0, 1)  # a newer engine's segment: not a new label value here
     recorder.outcome("written", 4096)
     recorder.outcome("revoked")
     metrics.observe(recorder.drain(), 0)
     labels = {"model_name": "tiny", "engine": "0", "role": "prefill", "engine_id": "prefill-0"}
     assert count(registry, SEGMENT_METRIC + "_sum", **labels, segment="p_prefill") == pytest.approx(0.02)
-    assert count(registry, SEGMENT_METRIC + "_bucket", **labels, segment="p_prefill", le="0.02") == 1
-    assert count(registry, SEGMENT_METRIC + "_bucket", **labels, segment="p_prefill", le="0.018") == 0
+    above = min(bound for bound in SEGMENT_BUCKETS if bound >= 0.02)
+    below = max(bound for bound in SEGMENT_BUCKETS if bound < 0.02)
+    assert count(registry, SEGMENT_METRIC + "_bucket", **labels, segment="p_prefill", le=floatToGoString(above)) == 1
+    assert count(registry, SEGMENT_METRIC + "_bucket", **labels, segment="p_prefill", le=floatToGoString(below)) == 0
     assert count(registry, "kvpush_transfers_total", **labels, outcome="written") == 1
     assert count(registry, "kvpush_transfers_total", **labels, outcome="revoked") == 1
     assert count(registry, "kvpush_transfer_bytes_total", **labels) == 4096
     assert registry.get_sample_value(SEGMENT_METRIC + "_count", {**labels, "segment": "not_a_segment"}) is None
+    assert registry.get_sample_value(SEGMENT_METRIC + "_count", {**labels, "segment": "write_transfer"}) is None
 
 
 def test_decode_output_is_measured_when_the_api_server_gets_the_step():
@@ -127,6 +131,7 @@ def test_decode_output_is_measured_when_the_api_server_gets_the_step():
     metrics = prom_metrics("decode", registry)
     recorder = SegmentRecorder()
     recorder.kv_wait(0, 30_000_000)
+    recorder.segment("write_transfer", 0, 400_000)
     recorder.segment("d_first_decode_step", 0, 5_000_000)
     recorder.first_step_done(time.time_ns() - 3_000_000)  # the engine core finished the step 3 ms ago
     recorder.outcome("received")
@@ -135,6 +140,7 @@ def test_decode_output_is_measured_when_the_api_server_gets_the_step():
     output = count(registry, SEGMENT_METRIC + "_sum", **labels, segment="d_output")
     assert 0.003 <= output < 1.0
     assert count(registry, "kvpush_decode_kv_wait_seconds_sum", **labels) == pytest.approx(0.03)
+    assert count(registry, SEGMENT_METRIC + "_sum", **labels, segment="write_transfer") == pytest.approx(0.0004)
     assert count(registry, "kvpush_transfers_total", **labels, outcome="received") == 1
 
 
