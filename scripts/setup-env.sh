@@ -4,9 +4,10 @@
 # The environment every entry point shares, sourced by scripts/test.sh and scripts/demo.sh:
 # builds .venv (once per change of pyproject.toml, this file or scripts/test.sh) and, with
 # --with-browser, installs Debian's chromium for the report tests, with --with-etcd Debian's
-# etcd-server for the tests of the etcd-backed control plane.
+# etcd-server for the tests of the etcd-backed control plane, with --with-prometheus Debian's
+# prometheus for the test that runs the Grafana dashboard's queries against a live stack.
 #
-#   source scripts/setup-env.sh && setup_env [--with-browser] [--with-etcd]
+#   source scripts/setup-env.sh && setup_env [--with-browser] [--with-etcd] [--with-prometheus]
 #
 # Afterwards $PYTHON is the venv's interpreter. Run from the repository root.
 
@@ -81,6 +82,11 @@ setup_etcd() {
   apt_install_tool etcd etcd-server tests/etcd
 }
 
+setup_prometheus() {
+  # tests/deploy/test_prometheus_live.py scrapes a local stack with a real Prometheus.
+  apt_install_tool prometheus prometheus tests/deploy
+}
+
 setup_env() {
   setup_venv
   local option
@@ -88,6 +94,7 @@ setup_env() {
     case "$option" in
       --with-browser) setup_browser ;;
       --with-etcd) setup_etcd ;;
+      --with-prometheus) setup_prometheus ;;
       *) echo "$SETUP_LOG_NAME: unknown option $option" >&2; return 1 ;;
     esac
   done

@@ -17,7 +17,7 @@ if [[ "${1:-}" == "--fast" ]]; then
   shift
   exec "$PYTHON" -m pytest -q --fast "${@:-tests}"
 fi
-setup_env --with-browser --with-etcd
+setup_env --with-browser --with-etcd --with-prometheus
 
 log "running pytest"
 if [[ $# -eq 0 ]]; then
