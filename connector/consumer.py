@@ -252,6 +252,8 @@ class ConsumerCore:
             (self._failed if failed else self._finished).add(req_id)
             if received_ns:
                 self._received_ns[req_id] = received_ns
+                if len(self._received_ns) > REPORTED_MEMORY:  # a vLLM that never asks for them (take_received_times)
+                    del self._received_ns[next(iter(self._received_ns))]
         self.on_result()
 
 
