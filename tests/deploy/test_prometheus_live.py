@@ -10,18 +10,17 @@ are not run here: tests/deploy/test_observability.py checks them offline
 against the collector's configuration.
 
 After 5 streamed completions through the router to warm the engines up
-and 100 more, every query of every
-other panel must return data: at least one series with a finite value (a
-histogram_quantile over no observations is NaN, which is no data; one
-series of several may be NaN, as a gRPC method called only before the
-run). A failure rate of 0 is data: every failure series exists from the
-start at 0, so a panel that shows none is a broken query, not a quiet
-system. Then every request must be in every
-segment once, the segments' means must add up to the router's mean TTFT
-within 5 % and their p50s, stacked as the dashboard shows them, to its
-TTFT p50 within 10 % (P50_TOLERANCE says what is missing), and every engine
-must end with no request left and all its KV blocks free. Run with -s to
-see the per-segment table.
+and 100 more, every query of every other panel must return data: at least
+one series with a finite value (a histogram_quantile over no observations
+is NaN, which is no data; one series of several may be NaN, as a gRPC
+method called only before the run). A failure rate of 0 is data: every
+failure series exists from the start at 0, so a panel that shows none is a
+broken query, not a quiet system. Then, over the 100 requests alone, every
+request must be in every segment once, the segments' means must add up to
+the router's mean TTFT within 5 % and their p50s, stacked as the dashboard
+shows them, to its TTFT p50 within 10 % (P50_TOLERANCE says what is
+missing), and every engine must end with no request left and all its KV
+blocks free. Run with -s to see the per-segment table.
 """
 
 from __future__ import annotations
