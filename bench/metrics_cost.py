@@ -134,12 +134,13 @@ def main() -> None:
         "router: dispatch, TTFT, relay": router_request,
         "P transfer thread: posted notification": posted_notice,
     }
-    print(f"{args.requests} requests x {args.repeats} repeats per arm; medians per request")
+    print(f"{args.requests} requests x {args.repeats} repeats per arm; medians per request, and the range over the repeats")
     total = 0.0
     for name, run in arms.items():
-        median = statistics.median(per_request_s(run, args.requests) for _ in range(args.repeats))
+        repeats = [per_request_s(run, args.requests) for _ in range(args.repeats)]
+        median = statistics.median(repeats)
         total += median
-        print(f"{name:40s} {median * 1e6:7.2f} us")
+        print(f"{name:40s} {median * 1e6:7.2f} us  (repeats {min(repeats) * 1e6:.2f}-{max(repeats) * 1e6:.2f})")
     print(f"{'all processes together':40s} {total * 1e6:7.2f} us per request")
     deadline = time.monotonic() + 5  # let D take what is still on its way before the agents go
     while time.monotonic() < deadline and (d_agent.notifications() or p_agent.notifications()):
